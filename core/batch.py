@@ -1,0 +1,97 @@
+"""What one step runs, and the step features every cost model and the calibration use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from core.request import RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """``num_tokens`` tokens of one request, starting at token index ``start`` (= tokens already cached)."""
+
+    state: RequestState
+    start: int
+    num_tokens: int
+    samples: bool  # the chunk completes the sequence, so the step samples a token for it
+    is_decode: bool  # one token at the end of a sequence that already has outputs
+
+    @classmethod
+    def next(cls, state: RequestState, num_tokens: int) -> Chunk:
+        """The next ``num_tokens`` uncomputed tokens of ``state`` (flags fixed at build time)."""
+        if not 0 < num_tokens <= state.num_remaining_tokens:
+            raise ValueError(f"request {state.id}: chunk of {num_tokens} tokens, "
+                             f"{state.num_remaining_tokens} remain")
+        start = state.num_computed_tokens
+        samples = start + num_tokens == state.num_tokens
+        return cls(state, start, num_tokens, samples, samples and num_tokens == 1 and bool(state.output_token_ids))
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """Shape of one step. Prefill = every chunk that is not a decode (recompute included).
+
+    attention_pairs: sum over prefill chunks of n*c + n*(n+1)/2 (n = chunk length, c = cached context),
+        the (query, key) pairs of causal attention including the cached prefix.
+    kv_tokens_read: sum over decode chunks of the context each decode attends to (c + 1).
+    prefill_kv_tokens: sum over prefill chunks of c + n (KV a prefill chunk's attention touches).
+    """
+
+    num_seqs: int = 0
+    num_batched_tokens: int = 0
+    num_prefill_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    attention_pairs: int = 0
+    kv_tokens_read: int = 0
+    prefill_kv_tokens: int = 0
+    max_context_len: int = 0
+
+    @classmethod
+    def of(cls, chunks: list[Chunk]) -> StepFeatures:
+        n_pre = t_pre = n_dec = pairs = kv = pre_kv = max_ctx = tokens = 0
+        for ch in chunks:
+            n, c = ch.num_tokens, ch.start
+            tokens += n
+            if c + n > max_ctx:
+                max_ctx = c + n
+            if ch.is_decode:
+                n_dec += 1
+                kv += c + 1
+            else:
+                n_pre += 1
+                t_pre += n
+                pairs += n * c + n * (n + 1) // 2
+                pre_kv += c + n
+        return cls(len(chunks), tokens, n_pre, t_pre, n_dec, pairs, kv, pre_kv, max_ctx)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(cls.__dataclass_fields__)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step: the chunks to run and the ids of requests preempted while building it."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    features: StepFeatures = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.features = StepFeatures.of(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def sampling_chunks(self) -> list[Chunk]:
+        return [ch for ch in self.chunks if ch.samples]

@@ -1,0 +1,187 @@
+"""Paged KV-cache bookkeeping: a fixed pool of blocks, refcounts, block tables and the prefix cache.
+
+Both backends use this class unchanged; the engine's KV tensors are indexed by exactly these block ids.
+A block is in one of three places: in use (refcount > 0), free (refcount 0, no cached content) or
+evictable (refcount 0, still holding a cached prefix block; ordered by the EvictionPolicy plugin).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from core.interfaces import EvictionPolicy
+from core.request import RequestState
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while the block holds a registered (full, computed) prefix block
+    depth: int = 0  # position in its prefix chain: covers tokens [depth*block_size, (depth+1)*block_size)
+    num_hits: int = 0  # times reused through the prefix cache since it was cached
+    last_used_s: float = 0.0
+    cached_s: float = 0.0
+
+
+class KVCacheManager:
+    """Allocates blocks to requests and shares full prompt blocks through chained hashes (core.prompt)."""
+
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"kv.num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"kv.block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.eviction = eviction
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._tables: dict[str, list[int]] = {}
+        self._registered: dict[str, int] = {}  # request id -> how many of its blocks are in the prefix cache
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free plus evictable."""
+        return len(self._free) + len(self.eviction)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables[request_id]
+
+    def _hits(self, state: RequestState) -> list[int]:
+        """Block ids of the longest cached prefix; the last token is always recomputed (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = min(len(state.block_hashes), (state.num_tokens - 1) // self.block_size)
+        hits = []
+        for h in state.block_hashes[:limit]:
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def lookup(self, state: RequestState) -> int:
+        """Tokens of ``state`` that a prefix-cache hit would skip now (no side effects)."""
+        return len(self._hits(state)) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------------------------------
+    def admit(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
+        """First allocation of a waiting request: take its cached prefix, then blocks for ``num_new_tokens``
+        more tokens. Sets ``num_computed_tokens`` to the hit length. All-or-nothing."""
+        assert state.id not in self._tables, f"request {state.id} already holds blocks"
+        hits = self._hits(state)
+        cached = len(hits) * self.block_size
+        need = self.blocks_for(cached + num_new_tokens) - len(hits)
+        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # evictable hits stop being free
+        if need + reclaimed > self.num_free_blocks:
+            return False
+        for bid in hits:
+            blk = self.blocks[bid]
+            blk.num_hits += 1
+            blk.last_used_s = now
+            blk.ref_count += 1
+            self.eviction.on_hit(blk, now)
+        self._tables[state.id] = hits + [self._take(now) for _ in range(need)]
+        self._registered[state.id] = len(hits)
+        state.num_computed_tokens = cached
+        return True
+
+    def allocate(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
+        """Grow a running request's table to hold ``num_new_tokens`` more tokens. All-or-nothing."""
+        table = self._tables[state.id]
+        need = self.blocks_for(state.num_computed_tokens + num_new_tokens) - len(table)
+        if need <= 0:
+            return True
+        if need > self.num_free_blocks:
+            return False
+        table.extend(self._take(now) for _ in range(need))
+        return True
+
+    def _take(self, now: float) -> int:
+        if self._free:
+            bid = self._free.popleft()
+        else:
+            bid = self.eviction.victim()
+            blk = self.blocks[bid]
+            assert blk.ref_count == 0 and blk.hash is not None, f"eviction policy returned block {bid} in use"
+            del self._cached[blk.hash]
+            blk.hash = None
+            blk.num_hits = 0
+        blk = self.blocks[bid]
+        blk.ref_count = 1
+        blk.last_used_s = now
+        return bid
+
+    def register_computed(self, state: RequestState, now: float) -> None:
+        """Publish the request's newly completed full prompt blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        done = min(state.num_computed_tokens // self.block_size, len(state.block_hashes))
+        start = self._registered.get(state.id, done)
+        if done <= start:
+            return
+        table = self._tables[state.id]
+        for i in range(start, done):
+            h = state.block_hashes[i]
+            if h in self._cached:  # same content computed concurrently by another request: keep the first
+                continue
+            blk = self.blocks[table[i]]
+            blk.hash, blk.depth, blk.cached_s, blk.num_hits = h, i, now, 0
+            self._cached[h] = blk.id
+            self.eviction.on_cached(blk, now)
+        self._registered[state.id] = done
+
+    def free(self, state: RequestState, now: float) -> None:
+        """Drop the request's references. Tail blocks go first so that equal-age evictions take tails first."""
+        table = self._tables.pop(state.id, None)
+        self._registered.pop(state.id, None)
+        if table is None:
+            return
+        for bid in reversed(table):
+            blk = self.blocks[bid]
+            blk.ref_count -= 1
+            assert blk.ref_count >= 0, f"block {bid} refcount went negative"
+            if blk.ref_count == 0:
+                blk.last_used_s = now
+                if blk.hash is not None:
+                    self.eviction.on_free(blk, now)
+                else:
+                    self._free.append(bid)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    # ---- invariants (tests and debugging) ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        refs = [0] * self.num_blocks
+        for table in self._tables.values():
+            for bid in table:
+                refs[bid] += 1
+        for blk in self.blocks:
+            assert blk.ref_count == refs[blk.id], f"block {blk.id}: refcount {blk.ref_count}, held {refs[blk.id]}x"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice on the free list"
+        for bid in free:
+            assert self.blocks[bid].ref_count == 0 and self.blocks[bid].hash is None
+        n_evictable = sum(1 for b in self.blocks if b.ref_count == 0 and b.hash is not None)
+        assert n_evictable == len(self.eviction), f"{n_evictable} evictable blocks, policy tracks {len(self.eviction)}"
+        assert len(free) + n_evictable + sum(1 for b in self.blocks if b.ref_count > 0) == self.num_blocks
+        for h, bid in self._cached.items():
+            assert self.blocks[bid].hash == h

@@ -1,0 +1,122 @@
+"""Model and hardware shapes: the one description both the cost models and the engine read.
+
+Field names match ``conf/model/*.yaml`` and ``conf/hardware/*.yaml``; a Hugging Face ``config.json``
+maps onto ``ModelSpec`` through ``from_hf_config``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+
+
+def _from_mapping(cls, cfg: Mapping[str, Any]):
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(cfg) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; allowed: {sorted(names)}")
+    return cls(**dict(cfg))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A dense Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    architecture: str = "llama"  # llama | qwen2 | mistral
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-5
+    max_model_len: int = 4096
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors)
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                    "vocab_size", "max_model_len"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of "
+                             f"model.num_kv_heads ({self.num_kv_heads})")
+        if self.architecture not in ARCHITECTURES.values():
+            raise ValueError(f"model.architecture={self.architecture!r}; allowed: {sorted(ARCHITECTURES.values())}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"model.dtype={self.dtype!r}; allowed: bfloat16, float16, float32")
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> ModelSpec:
+        """From a config group entry (plain dict or OmniConf DictConfig converted to a dict)."""
+        return _from_mapping(cls, cfg)
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], name: str = "", path: str | None = None) -> ModelSpec:
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {sorted(ARCHITECTURES)}")
+        arch = ARCHITECTURES[archs[0]]
+        heads = hf["num_attention_heads"]
+        return cls(
+            name=name or hf.get("_name_or_path", "") or arch,
+            architecture=arch,
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hf["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=hf.get("rope_scaling"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_model_len=int(hf.get("max_position_embeddings", 4096)),
+            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            path=path,
+            dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelSpec:
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+        return cls.from_hf_config(json.loads(cfg_file.read_text()), name=Path(path).name, path=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (datasheet numbers; efficiencies live in the cost model)."""
+
+    name: str
+    peak_flops: float  # dense 16-bit FLOP/s
+    mem_bw: float  # bytes/s
+    mem_bytes: float  # device memory, bytes
+    interconnect_bw: float = 0.0  # bytes/s per direction between tensor-parallel peers (0: single device)
+    peak_flops_int8: float = 0.0  # 0: same as peak_flops
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops", "mem_bw", "mem_bytes"):
+            if float(getattr(self, key)) <= 0:
+                raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> HardwareSpec:
+        return _from_mapping(cls, cfg)

@@ -1,0 +1,22 @@
+"""Sarathi-Serve style scheduling: decode-first, then chunked prefills, within a per-step token budget."""
+
+from __future__ import annotations
+
+from core.batch import Batch, Chunk
+from core.replica import SchedulerView
+from policies.schedulers.common import admit, fcfs, schedule_running
+
+
+class SarathiScheduler:
+    """Decodes of running requests first (one token each; keeps inter-token gaps short), then ongoing
+    prefill chunks, then new requests FCFS. Prefills are cut to what is left of ``max_num_batched_tokens``,
+    so a long prompt never stalls the decodes for a whole prefill. KV exhaustion preempts the newest
+    running request (recompute)."""
+
+    def schedule(self, view: SchedulerView) -> Batch:
+        chunks: dict[str, Chunk] = {}
+        decodes = [s for s in view.running if not s.in_prefill]
+        prefills = [s for s in view.running if s.in_prefill]
+        budget = schedule_running(view, decodes + prefills, chunks, view.limits.max_num_batched_tokens)
+        admit(view, fcfs(view), chunks, budget)
+        return Batch(list(chunks.values()))

@@ -1,0 +1,121 @@
+"""KV cache manager: prefix-cache semantics (DESIGN section 4) and accounting invariants under random load."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core.kv_cache import KVCacheManager
+from core.prompt import block_hashes
+from core.request import Request, RequestState, Status
+from policies.eviction.lru import LRUEviction
+from policies.schedulers.sarathi import SarathiScheduler
+from tests.helpers import simulate
+
+
+def state_of(req: Request, block_size: int) -> RequestState:
+    return RequestState(req, block_hashes=block_hashes(req, block_size))
+
+
+def run_to_completion(kv: KVCacheManager, state: RequestState, now: float = 0.0) -> None:
+    assert kv.admit(state, state.num_tokens - kv.lookup(state), now)
+    state.num_computed_tokens = state.num_tokens
+    kv.register_computed(state, now)
+    kv.free(state, now)
+
+
+def test_only_full_blocks_are_reused_and_last_token_is_recomputed():
+    kv = KVCacheManager(16, 16, LRUEviction())
+    ids = tuple(range(40))
+    run_to_completion(kv, state_of(Request("a", 0, 40, 1, prompt_token_ids=ids), 16))
+    # 40 shared tokens -> floor(40/16) = 2 full blocks reused
+    assert kv.lookup(state_of(Request("b", 0, 45, 1, prompt_token_ids=ids + (1,) * 5), 16)) == 32
+    # an identical 32-token prompt: a full hit would leave nothing to compute; reuse n-1 rounded down = 16
+    run_to_completion(kv, state_of(Request("c", 0, 32, 1, prompt_token_ids=ids[:32]), 16))
+    assert kv.lookup(state_of(Request("d", 0, 32, 1, prompt_token_ids=ids[:32]), 16)) == 16
+    # a prompt that diverges inside the first block shares nothing
+    assert kv.lookup(state_of(Request("e", 0, 40, 1, prompt_token_ids=(9,) + ids[1:]), 16)) == 0
+    kv.check_invariants()
+
+
+def test_tenants_never_share_blocks():
+    kv = KVCacheManager(16, 16, LRUEviction())
+    ids = tuple(range(64))
+    run_to_completion(kv, state_of(Request("a", 0, 64, 1, prompt_token_ids=ids, tenant="t1"), 16))
+    assert kv.lookup(state_of(Request("b", 0, 64, 1, prompt_token_ids=ids, tenant="t2"), 16)) == 0
+    assert kv.lookup(state_of(Request("c", 0, 64, 1, prompt_token_ids=ids, tenant="t1"), 16)) == 48
+
+
+def test_hash_ids_share_exactly_like_tokens():
+    # two requests whose first content block (hash id 7, 64 tokens) is equal share 64 // 16 = 4 blocks
+    a = Request("a", 0, 100, 1, hash_ids=(7, 8), hash_block_size=64)
+    b = Request("b", 0, 100, 1, hash_ids=(7, 9), hash_block_size=64)
+    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    assert ha[:4] == hb[:4] and not set(ha[4:]) & set(hb[4:])
+
+
+def test_evicted_blocks_are_reused_lru_first():
+    kv = KVCacheManager(4, 4, LRUEviction())
+    run_to_completion(kv, state_of(Request("old", 0, 9, 1, prompt_token_ids=tuple(range(9))), 4), now=1.0)
+    run_to_completion(kv, state_of(Request("new", 0, 9, 1, prompt_token_ids=tuple(range(100, 109))), 4), now=2.0)
+    # the pool (4 blocks) holds 2 cached blocks of each; a 5-token unique request needs 2 blocks: the old ones go
+    s = state_of(Request("x", 0, 5, 1), 4)
+    assert kv.admit(s, 5, 3.0)
+    assert kv.lookup(state_of(Request("n2", 0, 9, 1, prompt_token_ids=tuple(range(100, 109))), 4)) == 8
+    assert kv.lookup(state_of(Request("o2", 0, 9, 1, prompt_token_ids=tuple(range(9))), 4)) == 0
+    kv.check_invariants()
+
+
+request_lists = st.lists(
+    st.tuples(st.floats(0, 2), st.integers(1, 120), st.integers(1, 30), st.integers(0, 3), st.sampled_from("ab")),
+    min_size=1, max_size=25)
+
+
+@given(request_lists, st.sampled_from([4, 16]), st.integers(8, 40), st.sampled_from([16, 64, 256]),
+       st.booleans())
+def test_accounting_invariants_under_random_load(spec, block_size, num_blocks, budget, prefix_caching):
+    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), hash_block_size=32, tenant=tenant)
+            for i, (t, p, o, g, tenant) in enumerate(spec)]
+    checks = []
+
+    def step_time(f):
+        checks.append(f)
+        return 0.01 + 1e-4 * f.num_batched_tokens
+
+    res, reps = simulate(reqs, SarathiScheduler, step_time=step_time, num_blocks=num_blocks, block_size=block_size,
+                         prefix_caching=prefix_caching, max_num_batched_tokens=budget, max_num_seqs=8,
+                         max_model_len=4096)
+    # every request ends in exactly one terminal status, and counts add up
+    assert sorted(s.id for s in res.states) == sorted(r.id for r in reqs)
+    assert all(s.status.terminal for s in res.states)
+    for s in res.states:
+        if s.status is Status.FINISHED:
+            assert s.num_output_tokens == s.request.max_new_tokens
+            assert len(s.token_times) == s.num_output_tokens
+            assert s.request.arrival_s <= s.first_scheduled_s <= s.first_token_s <= s.finish_s
+        else:
+            assert s.status is Status.REJECTED and s.reason
+    # budgets held in every step
+    assert all(f.num_batched_tokens <= budget and f.num_seqs <= 8 for f in checks)
+    # at the end every block is free or cached-evictable; refcounts match block tables
+    kv = reps[0].kv
+    kv.check_invariants()
+    assert kv.num_used_blocks == 0
+    # tenants never share: blocks of different tenants have different hashes
+    by_tenant = {}
+    for s in res.states:
+        by_tenant.setdefault(s.request.tenant, set()).update(s.block_hashes)
+    if len(by_tenant) == 2:
+        assert not by_tenant["a"] & by_tenant["b"]
+
+
+@given(request_lists)
+def test_same_input_same_timeline(spec):
+    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), hash_block_size=32)
+            for i, (t, p, o, g, _) in enumerate(spec)]
+
+    def timeline():
+        res, _ = simulate(reqs, SarathiScheduler, num_blocks=12, block_size=16, max_num_batched_tokens=64,
+                          max_num_seqs=4, step_time=lambda f: 0.003 + 1e-5 * f.num_batched_tokens)
+        return [(s.id, s.status, s.first_token_s, s.finish_s, tuple(s.token_times), s.num_preemptions)
+                for s in res.states], [(x.start_s, x.duration_s, x.features) for x in res.steps]
+
+    assert timeline() == timeline()

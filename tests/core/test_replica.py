@@ -1,0 +1,78 @@
+"""Replica step loop: hand-computed chunked-prefill timelines, rejections, timeouts."""
+
+import pytest
+
+from core.request import Request, Status
+from policies.schedulers.sarathi import SarathiScheduler
+from tests.helpers import simulate
+
+C0, PER_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
+
+
+def step_time(f):
+    return C0 + PER_TOKEN * f.num_prefill_tokens + PER_DECODE * f.num_decode_seqs
+
+
+def chunk_scenario(budget):
+    """A and B (2-token prompts) start at t=0 and decode; C (7-token prompt) arrives at t=0.010."""
+    reqs = [Request("A", 0.0, 2, 12), Request("B", 0.0, 2, 12), Request("C", 0.010, 7, 2)]
+    res, _ = simulate(reqs, SarathiScheduler, step_time=step_time, max_num_batched_tokens=budget, max_num_seqs=8)
+    return {s.id: s for s in res.states}, res
+
+
+def max_gap(state):
+    t = state.token_times
+    return max(b - a for a, b in zip(t, t[1:]))
+
+
+def test_chunked_prefill_timeline_by_hand():
+    states, res = chunk_scenario(budget=4)
+    # step 1: A, B prefill 2+2 tokens -> 10 + 4 = 14 ms; both get their first token at 0.014
+    assert states["A"].first_token_s == pytest.approx(0.014)
+    # rounds 2-4: 2 decodes + 2 prefill tokens of C = 10 + 2 + 4 = 16 ms; round 5: 2 decodes + C's last
+    # token (7 = 2+2+2+1: the chunk does not divide the prompt) = 10 + 1 + 4 = 15 ms
+    assert states["C"].first_token_s == pytest.approx(0.014 + 3 * 0.016 + 0.015)
+    assert states["C"].first_token_s - states["C"].request.arrival_s == pytest.approx(0.067)
+    durations = [s.duration_s for s in res.steps[:5]]
+    assert durations == pytest.approx([0.014, 0.016, 0.016, 0.016, 0.015])
+    # the decoding requests' largest gap is one mixed round
+    assert max_gap(states["A"]) == pytest.approx(0.016)
+
+
+def test_smaller_chunks_trade_prefill_latency_for_shorter_stalls():
+    small, _ = chunk_scenario(budget=4)
+    big, _ = chunk_scenario(budget=8)
+    # budget 8: C gets 6 tokens then 1 -> rounds of 10+6+4 = 20 ms and 10+1+4 = 15 ms
+    assert big["C"].first_token_s == pytest.approx(0.014 + 0.020 + 0.015)
+    assert max_gap(big["A"]) == pytest.approx(0.020)
+    assert max_gap(small["A"]) < max_gap(big["A"])
+    assert small["C"].first_token_s > big["C"].first_token_s
+
+
+def test_attention_pairs_and_kv_reads_by_hand():
+    _, res = chunk_scenario(budget=4)
+    # C's chunks (n, cached context c): (2,0) (2,2) (2,4) (1,6) -> pairs n*c + n(n+1)/2 = 3 + 7 + 11 + 7 = 28
+    assert sum(s.features.attention_pairs for s in res.steps[1:5]) == 28 == 7 * 8 // 2
+    # step 2: A and B decode with 2 cached tokens each -> each reads c + 1 = 3 KV tokens
+    assert res.steps[1].features.kv_tokens_read == 6
+    assert res.steps[1].features.num_decode_seqs == 2 and res.steps[1].features.num_prefill_tokens == 2
+
+
+def test_prompt_longer_than_model_or_pool_is_rejected_with_reason():
+    reqs = [Request("ok", 0.0, 10, 5), Request("long", 0.0, 100, 5), Request("pool", 0.0, 70, 5)]
+    res, reps = simulate(reqs, SarathiScheduler, num_blocks=4, block_size=16, max_model_len=80)
+    by_id = {s.id: s for s in res.states}
+    assert by_id["ok"].status is Status.FINISHED
+    assert by_id["long"].status is Status.REJECTED and "max_model_len" in by_id["long"].reason
+    assert by_id["pool"].status is Status.REJECTED and "KV blocks" in by_id["pool"].reason
+    reps[0].kv.check_invariants()
+
+
+def test_timeouts_end_requests_and_free_blocks():
+    reqs = [Request(f"r{i}", 0.0, 50, 10) for i in range(6)]
+    res, reps = simulate(reqs, SarathiScheduler, step_time=lambda f: 0.1, request_timeout_s=3.0,
+                         max_num_batched_tokens=64, max_num_seqs=2)
+    statuses = [s.status for s in res.states]
+    assert Status.TIMED_OUT in statuses and Status.FINISHED in statuses
+    assert all(s.status.terminal for s in res.states)
+    assert reps[0].kv.num_used_blocks == 0

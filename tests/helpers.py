@@ -1,0 +1,49 @@
+"""Small builders shared by tests: a list workload, a formula executor, a one-call simulation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from core.batch import StepFeatures
+from core.interfaces import StepOutput
+from core.kv_cache import KVCacheManager
+from core.replica import Replica, SchedulerLimits
+from core.request import Request, RequestState
+from policies.eviction.lru import LRUEviction
+from policies.routers.round_robin import RoundRobinRouter
+from sim.simulator import RunResult, Simulation
+
+
+class ListWorkload:
+    """Open loop over a fixed list of requests."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self.requests = sorted(requests, key=lambda r: r.arrival_s)
+
+    def initial(self):
+        return iter(self.requests)
+
+    def on_finish(self, state: RequestState, now: float) -> Request | None:
+        return None
+
+
+class FormulaExecutor:
+    """Step time = f(features); samples token 1 (tests only)."""
+
+    wall_clock = False
+
+    def __init__(self, f: Callable[[StepFeatures], float]) -> None:
+        self.f = f
+
+    def execute(self, batch):
+        return StepOutput([1] * sum(ch.samples for ch in batch.chunks), self.f(batch.features))
+
+
+def simulate(requests: Sequence[Request], scheduler_factory, *, step_time=lambda f: 0.01, num_blocks=64,
+             block_size=16, replicas=1, router=None, eviction_factory=LRUEviction, prefix_caching=True,
+             keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
+    reps = [Replica(i, scheduler_factory(), KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching),
+                    SchedulerLimits(**limits)) for i in range(replicas)]
+    sim = Simulation(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
+                     ListWorkload(requests), keep_batches=keep_batches)
+    return sim.run(), reps
