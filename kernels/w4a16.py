@@ -1,0 +1,161 @@
+"""Group-wise 4-bit weight-only quantisation (W4A16): format, quantiser, torch reference and Triton GEMM.
+
+Format: weight [N, K] (nn.Linear layout) split along K into groups of ``group_size``; each group has one fp16
+scale and, in zero-point mode, one fp16 zero point. Stored nibbles u are in [0, 15]:
+- zero-point (asymmetric) mode: w ~= (u - zero) * scale;
+- symmetric mode (zeros is None): w ~= (u - 8) * scale, i.e. q = u - 8 in [-8, 7].
+``qweight`` is uint8 [N, K // 2]: the low nibble holds column 2j, the high nibble column 2j + 1.
+Scales are rounded *up* to fp16 so the group range always fits, which makes |w - dequant(w)| <= scale / 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch reference works without triton
+    triton = None
+
+SYMMETRIC_OFFSET = 8  # stored nibble = q + 8 in symmetric mode
+MAX_BLOCK_K = 64
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A 4-bit weight of logical shape (N, K); see the module docstring for the layout."""
+
+    qweight: torch.Tensor  # uint8 [N, K // 2]
+    scales: torch.Tensor  # fp16 [N, K // group_size]
+    zeros: torch.Tensor | None  # fp16 [N, K // group_size], or None for symmetric
+    group_size: int
+    shape: tuple[int, int]
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        zeros = None if self.zeros is None else self.zeros.to(device)
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size, self.shape)
+
+
+def _check_group(K: int, group_size: int) -> None:
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"w4a16: group_size must be a positive even number, got {group_size}")
+    if K % group_size:
+        raise ValueError(f"w4a16: K={K} is not divisible by group_size={group_size}")
+
+
+def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Smallest fp16 >= x for x >= 0 (so a rounded scale never shrinks the representable range)."""
+    h = x.half()
+    h = torch.where(h.float() < x, (h.view(torch.int16) + 1).view(torch.float16), h)
+    if torch.isinf(h).any():
+        raise ValueError("w4a16: weights too large for fp16 scales")
+    return h
+
+
+def quantize_w4(w: torch.Tensor, group_size: int = 128, zero_point: bool = True) -> QuantizedWeight:
+    """Round-to-nearest 4-bit quantisation of w [N, K] with one scale (and zero point) per group along K."""
+    if w.dim() != 2:
+        raise ValueError(f"w4a16: weight must be [N, K], got {tuple(w.shape)}")
+    N, K = w.shape
+    _check_group(K, group_size)
+    wg = w.float().reshape(N, K // group_size, group_size)
+    lo = wg.amin(-1).clamp(max=0.0)  # the range always includes 0, so zero is exact
+    hi = wg.amax(-1).clamp(min=0.0)
+    scale = (hi - lo) / 15 if zero_point else torch.maximum(-lo / 8, hi / 7)
+    scales = _round_up_fp16(torch.where(scale > 0, scale, torch.ones_like(scale)))  # all-zero group: any scale
+    s = scales.float().unsqueeze(-1)
+    if zero_point:
+        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+        u = (torch.round(wg / s) + zeros.unsqueeze(-1)).clamp(0, 15)
+        zeros = zeros.half()
+    else:
+        zeros = None
+        u = torch.round(wg / s).clamp(-8, 7) + SYMMETRIC_OFFSET
+    u = u.reshape(N, K).to(torch.uint8)
+    return QuantizedWeight(u[:, 0::2] | (u[:, 1::2] << 4), scales, zeros, group_size, (N, K))
+
+
+def dequantize_w4(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] weight reconstructed from ``qw`` (computed in fp32, returned as ``dtype``)."""
+    N, K = qw.shape
+    u = torch.stack([qw.qweight & 0xF, qw.qweight >> 4], dim=-1).reshape(N, K // qw.group_size, qw.group_size)
+    zero = SYMMETRIC_OFFSET if qw.zeros is None else qw.zeros.float().unsqueeze(-1)
+    return ((u.float() - zero) * qw.scales.float().unsqueeze(-1)).reshape(N, K).to(dtype)
+
+
+def _check_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[1] != qw.shape[1]:
+        raise ValueError(f"w4a16_linear: x must be [M, K={qw.shape[1]}], got {tuple(x.shape)}")
+    if bias is not None and bias.shape != (qw.shape[0],):
+        raise ValueError(f"w4a16_linear: bias must be [N={qw.shape[0]}], got {tuple(bias.shape)}")
+    _check_group(qw.shape[1], qw.group_size)
+
+
+def w4a16_linear_torch(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(qw).T (+ bias) -> [M, N] in x's dtype; dequantise then matmul in fp32 (the CPU path)."""
+    _check_linear(x, qw, bias)
+    out = x.float() @ dequantize_w4(qw).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_sn,
+                      stride_om, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_mask, n_mask = rm < M, rn < N
+        # the odd column of each byte sits in the high nibble
+        shift = ((rk % 2) * 4)[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 and BLOCK_K divides GROUP: one group per tile
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None],
+                        other=0.0)
+            packed = tl.load(qw_ptr + rn[None, :].to(tl.int64) * stride_qn + ((k0 + rk) // 2)[:, None],
+                             mask=n_mask[None, :], other=0)
+            u = ((packed.to(tl.int32) >> shift) & 0xF).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+            g = k0 // GROUP
+            scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                zero = tl.load(z_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+            else:
+                zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w = (u - zero[None, :]) * scale[None, :]
+            if FP32_DOT:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w.to(a.dtype), acc)  # A16: weights meet activations in 16 bit, fp32 accumulate
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w4a16_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of :func:`w4a16_linear_torch`: dequantises inside the GEMM (tiles over M, N, K)."""
+    _check_linear(x, qw, bias)
+    block_k = min(MAX_BLOCK_K, qw.group_size & -qw.group_size)  # largest power of two dividing the group
+    if block_k < 16:
+        raise ValueError(f"w4a16_linear_triton: group_size must be a multiple of 16, got {qw.group_size}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    (M, K), N = x.shape, qw.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    block_m, block_n = max(16, min(64, triton.next_power_of_2(M))), 64
+    qweight, scales = qw.qweight.contiguous(), qw.scales.contiguous()
+    zeros = qw.zeros.contiguous() if qw.zeros is not None else scales  # placeholder pointer when symmetric
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _w4a16_kernel[grid](x, qweight, scales, zeros, bias if bias is not None else out, out, M, N, K,
+                        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+                        GROUP=qw.group_size, HAS_ZERO=qw.zeros is not None, HAS_BIAS=bias is not None,
+                        FP32_DOT=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out

@@ -1,0 +1,128 @@
+"""W4A16: the format's error bound, the packing layout by hand, the torch linear against a float64 matmul, and the
+Triton GEMM against the torch reference."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels.w4a16 import QuantizedWeight, dequantize_w4, quantize_w4, w4a16_linear_torch, w4a16_linear_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _w(N, K, seed=0, scale=0.05):
+    return scale * torch.randn(N, K, generator=torch.Generator().manual_seed(seed))
+
+
+def _unpack(qw):
+    return torch.stack([qw.qweight & 0xF, qw.qweight >> 4], dim=-1).reshape(qw.shape).long()
+
+
+@given(N=st.integers(1, 9), groups=st.integers(1, 4), group_size=st.sampled_from([2, 16, 32, 128]),
+       log_scale=st.floats(-6, 3), shift=st.floats(-1, 1), zero_point=st.booleans(), seed=st.integers(0, 99))
+def test_roundtrip_error_within_half_scale(N, groups, group_size, log_scale, shift, zero_point, seed):
+    K = groups * group_size
+    w = (_w(N, K, seed, 1.0) + shift) * 10**log_scale  # shifted groups exercise asymmetric ranges
+    qw = quantize_w4(w, group_size, zero_point)
+    err = (dequantize_w4(qw).double() - w.double()).abs()
+    bound = qw.scales.double().repeat_interleave(group_size, dim=1) / 2
+    assert (err <= bound * (1 + 1e-5) + 1e-30).all(), (err / bound).max()
+    u = _unpack(qw)
+    assert u.min() >= 0 and u.max() <= 15
+    assert qw.scales.dtype == torch.float16 and qw.scales.shape == (N, groups)
+    if zero_point:
+        assert qw.zeros.dtype == torch.float16 and (qw.zeros == qw.zeros.round()).all()
+        assert qw.zeros.min() >= 0 and qw.zeros.max() <= 15
+    else:
+        assert qw.zeros is None
+
+
+def test_zero_is_exact_and_range_is_used():
+    w = _w(4, 64)
+    w[:, :3] = 0.0
+    for zero_point in (True, False):
+        qw = quantize_w4(w, 32, zero_point)
+        assert (dequantize_w4(qw)[:, :3] == 0).all()
+        q = _unpack(qw) - (8 if not zero_point else 0)
+        assert q.min() == (0 if zero_point else -8) or q.max() == (15 if zero_point else 7)
+    zero = quantize_w4(torch.zeros(2, 32), 32)  # all-zero groups must not divide by zero
+    assert (dequantize_w4(zero) == 0).all() and torch.isfinite(zero.scales).all()
+
+
+def test_packing_layout_by_hand():
+    # two columns per byte, low nibble first; symmetric q = nibble - 8; zero-point w = (nibble - zero) * scale
+    qweight = torch.tensor([[0x8F, 0x10]], dtype=torch.uint8)  # nibbles 15, 8, 0, 1
+    scales = torch.tensor([[0.5, 2.0]], dtype=torch.float16)
+    sym = QuantizedWeight(qweight, scales, None, 2, (1, 4))
+    assert dequantize_w4(sym).tolist() == [[3.5, 0.0, -16.0, -14.0]]
+    asym = QuantizedWeight(qweight, scales, torch.tensor([[3.0, 1.0]], dtype=torch.float16), 2, (1, 4))
+    assert dequantize_w4(asym).tolist() == [[6.0, 2.5, -2.0, 0.0]]
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="not divisible"):
+        quantize_w4(_w(4, 96), group_size=64)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        quantize_w4(torch.zeros(8))
+    qw = quantize_w4(_w(4, 64), group_size=32)
+    with pytest.raises(ValueError, match="K=64"):
+        w4a16_linear_torch(torch.zeros(2, 32), qw)
+    with pytest.raises(ValueError, match="bias"):
+        w4a16_linear_torch(torch.zeros(2, 64), qw, torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_torch_linear_equals_dequantised_matmul(dtype, zero_point):
+    qw = quantize_w4(_w(48, 256), 64, zero_point)
+    x, bias = torch.randn(5, 256).to(dtype), torch.randn(48).to(dtype)
+    expected = x.double() @ dequantize_w4(qw, torch.float64).T + bias.double()
+    out = w4a16_linear_torch(x, qw, bias)
+    assert out.dtype == dtype and out.shape == (5, 48)
+    torch.testing.assert_close(out, expected.to(dtype), rtol=1e-5 if dtype == torch.float32 else None,
+                               atol=1e-5 if dtype == torch.float32 else None)
+
+
+def _check_triton(M, N, K, G, zero_point, with_bias, dtype, device):
+    qw = quantize_w4(_w(N, K, seed=M + N + K), G, zero_point).to(device)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    bias = torch.randn(N, generator=g).to(device, dtype) if with_bias else None
+    out, ref = w4a16_linear_triton(x, qw, bias), w4a16_linear_torch(x, qw, bias)
+    assert out.dtype == dtype and out.shape == (M, N)
+    # fp32 accumulates in a different order; 16-bit paths also round the dequantised weight to the activation dtype
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.float().abs().max().item()), err
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_triton_matches_torch(M, zero_point, dtype):
+    _check_triton(M, 100, 256, 64, zero_point, with_bias=M == 3, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("N,K,G", [(72, 384, 128), (16, 96, 32), (130, 160, 16)])
+def test_triton_group_shapes(N, K, G):
+    _check_triton(5, N, K, G, True, True, torch.float16, DEVICE)
+
+
+@pytest.mark.interpreter
+def test_triton_rejects_small_groups_and_handles_empty():
+    qw = quantize_w4(_w(8, 64), group_size=8).to(DEVICE)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        w4a16_linear_triton(torch.zeros(2, 64, device=DEVICE), qw)
+    qw = quantize_w4(_w(8, 64), group_size=32).to(DEVICE)
+    assert w4a16_linear_triton(torch.zeros(0, 64, device=DEVICE), qw).shape == (0, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 17, 257])
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_triton_gpu(M, zero_point, dtype):
+    _check_triton(M, 4100, 4096, 128, zero_point, with_bias=True, dtype=dtype, device="cuda")
