@@ -1,0 +1,173 @@
+"""Do the arithmetic first: weight and KV bytes, KV capacity, and roofline prefill/decode bounds per batch size.
+
+    python -m experiments.estimate model=llama2_70b hardware=h100 cost_model.tp=4 cost_model.weight_bits=4
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import hydra
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+
+from core.batch import StepFeatures
+from core.specs import HardwareSpec, ModelSpec
+from sim.cost import arithmetic as ar
+from sim.cost.base import as_hardware_spec, as_model_spec, check_keys, decode_features, prefill_features
+from sim.cost.roofline import RooflineCostModel
+
+ESTIMATE_KEYS = ("batch_sizes", "context", "prefill_len", "memory_fraction", "json")
+ROOFLINE_KEYS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
+
+
+def _positive_int(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"estimate.{key}={v!r}; allowed: an integer >= 1")
+    return v
+
+
+def _step(lower: RooflineCostModel, est: RooflineCostModel, f: StepFeatures, tokens: int) -> dict[str, Any]:
+    """FLOPs, bytes and times of one step; the bound compares its arithmetic intensity with the ridge point.
+
+    ``compute_share``: the fraction of the lower bound spent in op groups that are compute-limited (a step can
+    be memory-bound overall while its linear layers are compute-bound, e.g. 4-bit weights at a large batch).
+    """
+    ops = lower.ops(f)
+    flops, nbytes = sum(c.flops for c in ops.values()), sum(c.bytes for c in ops.values())
+    intensity = flops / nbytes
+    t_min, t_est = lower.step_time(f), est.step_time(f)
+    compute_s = sum(lower.op_time(c) for c in ops.values() if c.flops / lower.hardware.peak_flops
+                    > c.bytes / lower.hardware.mem_bw)
+    ridge = lower.hardware.peak_flops / lower.hardware.mem_bw
+    return {"flops": flops, "weight_bytes": lower.weight_bytes_per_step,
+            "kv_bytes": ops["attention_prefill"].bytes + ops["attention_decode"].bytes, "bytes": nbytes,
+            "intensity": intensity, "bound": "compute" if intensity >= ridge else "memory",
+            "compute_share": compute_s / t_min,
+            "time_lower_bound_s": t_min, "time_est_s": t_est,
+            "tokens_per_s_max": tokens / t_min, "tokens_per_s_est": tokens / t_est}
+
+
+def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16, kv_bits: int = 16,
+             group_size: int = 128, tp: int = 1, compute_eff: float = 1.0, bw_eff: float = 1.0,
+             overhead_s: float = 0.0, batch_sizes: Sequence[int] = (1, 8, 32, 128, 256), context: int = 2048,
+             prefill_len: int = 2048, memory_fraction: float = 0.9) -> dict[str, Any]:
+    """All numbers per device. Lower bounds use datasheet peaks; ``*_est`` use the given efficiencies + overhead.
+
+    The quantised speed-up is the estimated 16-bit decode step time over the quantised one at the same batch.
+    """
+    if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
+        raise ValueError(f"estimate.batch_sizes={batch_sizes!r}; allowed: a non-empty list of integers >= 1")
+    for b in batch_sizes:
+        _positive_int("batch_sizes", b)
+    _positive_int("context", context)
+    _positive_int("prefill_len", prefill_len)
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, int | float) \
+            or not 0 < memory_fraction <= 1:
+        raise ValueError(f"estimate.memory_fraction={memory_fraction!r}; allowed: a number in (0, 1]")
+    est = RooflineCostModel(model, hardware, compute_eff=compute_eff, bw_eff=bw_eff, overhead_s=overhead_s,
+                            weight_bits=weight_bits, kv_bits=kv_bits, group_size=group_size, tp=tp)
+    m, hw = est.model, est.hardware
+    lower = est.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0)
+    base16 = est.replace(weight_bits=16) if weight_bits < 16 else None
+
+    weights = ar.weight_bytes(m, weight_bits, group_size)
+    budget = memory_fraction * hw.mem_bytes - weights / tp
+    seqs = ar.max_concurrent_seqs(m, budget, context, kv_bits, tp)
+    memory: dict[str, Any] = {"memory_fraction": memory_fraction, "context": context, "kv_budget_bytes": budget,
+                              "weights_fit": budget > 0, "max_concurrent_seqs": seqs}
+    if kv_bits < 16:
+        seqs16 = ar.max_concurrent_seqs(m, budget, context, 16, tp)
+        memory |= {"max_concurrent_seqs_kv16": seqs16, "kv_capacity_gain": seqs / seqs16 if seqs16 else None}
+
+    decode = []
+    for b in batch_sizes:
+        f = decode_features(b, context)
+        row = {"batch_size": b, **_step(lower, est, f, b), "fits": b <= seqs}
+        if base16 is not None:
+            row["quant_speedup"] = base16.step_time(f) / est.step_time(f)
+        decode.append(row)
+    return {
+        "model": m.name, "hardware": hw.name, "per_device": True, **est.params(),
+        "params": ar.total_params(m), "weight_bytes": weights, "weight_bytes_per_device": weights / tp,
+        "weight_bytes_16bit": ar.weight_bytes(m, 16, group_size),
+        "kv_bytes_per_token": ar.kv_bytes_per_token(m, kv_bits),
+        "kv_bytes_per_token_per_device": est.kv_bytes_per_token,
+        "ridge_point": hw.peak_flops / hw.mem_bw, "memory": memory,
+        "prefill": {"tokens": prefill_len, **_step(lower, est, prefill_features(prefill_len), prefill_len)},
+        "decode": decode,
+    }
+
+
+def _si(x: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}".rstrip()
+    return f"{x:.3g} {unit}".rstrip()
+
+
+def format_table(r: dict[str, Any]) -> str:
+    mem, p = r["memory"], r["prefill"]
+    quant = r["weight_bits"] < 16
+    lines = [
+        f"{r['model']} on {r['hardware']}: tp={r['tp']}, weights {r['weight_bits']}-bit"
+        + (f" (group {r['group_size']})" if quant else "") + f", KV {r['kv_bits']}-bit; numbers per device;"
+        f" est = compute_eff {r['compute_eff']}, bw_eff {r['bw_eff']}, overhead {r['overhead_s'] * 1e3:.3g} ms",
+        f"params {_si(r['params'], '')} | weights {_si(r['weight_bytes'], 'B')}"
+        + (f" (16-bit: {_si(r['weight_bytes_16bit'], 'B')})" if quant else "")
+        + (f", {_si(r['weight_bytes_per_device'], 'B')} per device" if r["tp"] > 1 else "")
+        + f" | KV/token {_si(r['kv_bytes_per_token'], 'B')}"
+        + (f", {_si(r['kv_bytes_per_token_per_device'], 'B')} per device" if r["tp"] > 1 else "")
+        + f" | ridge point {r['ridge_point']:.0f} FLOP/B",
+        f"memory: {mem['memory_fraction']} of device - weights = {_si(mem['kv_budget_bytes'], 'B')} for KV -> "
+        f"{mem['max_concurrent_seqs']} concurrent sequences of {mem['context']} tokens"
+        + ("" if mem["weights_fit"] else "  (WEIGHTS DO NOT FIT: raise tp or quantise)"),
+    ]
+    if "kv_capacity_gain" in mem:
+        gain = mem["kv_capacity_gain"]
+        lines.append(f"  vs 16-bit KV: {mem['max_concurrent_seqs_kv16']} sequences"
+                     + (f" ({gain:.2f}x with {r['kv_bits']}-bit KV)" if gain else ""))
+    lines.append(f"prefill {p['tokens']} tokens: {_si(p['flops'], 'FLOP')}, {_si(p['bytes'], 'B')}, "
+                 f"intensity {p['intensity']:.0f} FLOP/B, {p['bound']}-bound ({p['compute_share']:.0%} compute-"
+                 f"limited), >= {p['time_lower_bound_s'] * 1e3:.3g}"
+                 f" ms (est {p['time_est_s'] * 1e3:.3g} ms, {_si(p['tokens_per_s_est'], 'tok/s')})")
+    lines.append(f"decode steps at context {mem['context']}:")
+    head = ["batch", "FLOPs", "weights", "KV read", "FLOP/B", "bound", "compute %", "t_min ms", "t_est ms", "tok/s max",
+            "tok/s est", "fits"] + ([f"W{r['weight_bits']} speed-up"] if quant else [])
+    rows = [[str(d["batch_size"]), _si(d["flops"], ""), _si(d["weight_bytes"], "B"), _si(d["kv_bytes"], "B"),
+             f"{d['intensity']:.1f}", d["bound"], f"{d['compute_share']:.0%}", f"{d['time_lower_bound_s'] * 1e3:.3g}",
+             f"{d['time_est_s'] * 1e3:.3g}", f"{d['tokens_per_s_max']:.0f}", f"{d['tokens_per_s_est']:.0f}",
+             "yes" if d["fits"] else "no"] + ([f"{d['quant_speedup']:.2f}x"] if quant else [])
+            for d in r["decode"]]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *rows]]
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """The estimate for a composed ``estimate`` config (what ``main`` prints)."""
+    opts = OmegaConf.to_container(cfg.estimate, resolve=True)
+    check_keys("estimate", opts, ESTIMATE_KEYS)
+    if not isinstance(opts.get("json", False), bool):
+        raise ValueError(f"estimate.json={opts['json']!r}; allowed: true, false")
+    cm = OmegaConf.to_container(cfg.cost_model, resolve=True)
+    target = cm.pop("_target_", None)
+    if not target or not issubclass(get_class(target), RooflineCostModel):
+        raise ValueError(f"cost_model._target_={target!r}; the estimate needs a roofline cost model "
+                         "(cost_model=roofline)")
+    cm.pop("model", None), cm.pop("hardware", None)
+    check_keys("cost_model", cm, ROOFLINE_KEYS)
+    opts.pop("json", None)
+    return estimate(as_model_spec(cfg.model), as_hardware_spec(cfg.hardware), **cm, **opts)
+
+
+@hydra.main(config_path="../conf", config_name="estimate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    result = run(cfg)
+    print(json.dumps(result) if cfg.estimate.get("json", False) else format_table(result))
+
+
+if __name__ == "__main__":
+    main()

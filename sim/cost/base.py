@@ -1,0 +1,56 @@
+"""The cost-model interface, and the step shapes the estimate tool and tests price."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from core.batch import StepFeatures
+from core.specs import HardwareSpec, ModelSpec
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicts how long one engine step takes from its shape."""
+
+    def step_time(self, f: StepFeatures) -> float:
+        """Seconds."""
+        ...
+
+
+def check_keys(section: str, given: Iterable[str], allowed: Iterable[str]) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(f"{section}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+
+
+def _plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    try:  # a Hydra DictConfig: resolve interpolations and unwrap nested containers
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(cfg)
+
+
+def as_model_spec(m: ModelSpec | Mapping[str, Any]) -> ModelSpec:
+    return m if isinstance(m, ModelSpec) else ModelSpec.from_mapping(_plain(m))
+
+
+def as_hardware_spec(h: HardwareSpec | Mapping[str, Any]) -> HardwareSpec:
+    return h if isinstance(h, HardwareSpec) else HardwareSpec.from_mapping(_plain(h))
+
+
+def decode_features(batch_size: int, context: int) -> StepFeatures:
+    """``batch_size`` decodes, each attending to ``context`` tokens (its new token included)."""
+    return StepFeatures(num_seqs=batch_size, num_batched_tokens=batch_size, num_decode_seqs=batch_size,
+                        kv_tokens_read=batch_size * context, max_context_len=context)
+
+
+def prefill_features(num_tokens: int, cached: int = 0) -> StepFeatures:
+    """One prefill chunk of ``num_tokens`` after ``cached`` tokens already in the KV cache."""
+    n, c = num_tokens, cached
+    return StepFeatures(num_seqs=1, num_batched_tokens=n, num_prefill_seqs=1, num_prefill_tokens=n,
+                        attention_pairs=n * c + n * (n + 1) // 2, prefill_kv_tokens=c + n, max_context_len=c + n)

@@ -1,0 +1,67 @@
+"""Linear (fitted) step time: t = c0 + a·prefill tokens + b·decode seqs + c·attention pairs + e·KV tokens read."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from core.batch import StepFeatures
+from sim.cost.base import check_keys
+
+TARGET = "sim.cost.linear.LinearCostModel"
+
+
+@dataclass(frozen=True)
+class LinearCostModel:
+    """Coefficients in seconds, all >= 0 (a calibration fits them by non-negative least squares)."""
+
+    c0_s: float = 0.0
+    per_prefill_token_s: float = 0.0
+    per_decode_seq_s: float = 0.0
+    per_attention_pair_s: float = 0.0
+    per_kv_token_read_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+                raise ValueError(f"cost_model.{f.name}={v!r}; allowed: a finite number >= 0")
+            object.__setattr__(self, f.name, float(v))
+
+    def step_time(self, f: StepFeatures) -> float:
+        return (self.c0_s + self.per_prefill_token_s * f.num_prefill_tokens + self.per_decode_seq_s * f.num_decode_seqs
+                + self.per_attention_pair_s * f.attention_pairs + self.per_kv_token_read_s * f.kv_tokens_read)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"_target_": TARGET, **asdict(self)}
+
+    def to_file(self, path: str | Path) -> Path:
+        """YAML (a ready ``conf/cost_model`` option, ``_target_`` included) or JSON when the suffix is .json."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=2) if path.suffix == ".json" else yaml.safe_dump(self.to_dict(),
+                                                                                                sort_keys=False)
+        path.write_text(text)
+        return path
+
+    @classmethod
+    def from_mapping(cls, cfg: dict[str, Any]) -> LinearCostModel:
+        cfg = dict(cfg)
+        target = cfg.pop("_target_", TARGET)
+        if target != TARGET:
+            raise ValueError(f"cost_model._target_={target!r}; expected {TARGET!r}")
+        check_keys("cost_model", cfg, [f.name for f in fields(cls)])
+        return cls(**cfg)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LinearCostModel:
+        path = Path(path)
+        text = path.read_text()
+        cfg = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: expected a mapping of coefficients, got {type(cfg).__name__}")
+        return cls.from_mapping(cfg)

@@ -1,0 +1,120 @@
+"""Roofline step time: each op group costs max(compute time, memory time); a step is their sum plus overhead.
+
+All quantities are per device: tensor parallelism splits weights, heads, FLOPs and KV across ``tp`` devices and
+adds two ring all-reduces of the activations per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from core.batch import StepFeatures
+from core.specs import HardwareSpec, ModelSpec
+from sim.cost import arithmetic as ar
+from sim.cost.base import as_hardware_spec, as_model_spec
+
+LOGIT_BYTES = 4  # logits are written in float32
+ALLREDUCES_PER_LAYER = 2  # after attention and after the MLP (Megatron-style tensor parallelism)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else math.inf
+
+
+def _fraction(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"cost_model.{key}={value!r}; allowed: a number in (0, 1]")
+    return float(value)
+
+
+class RooflineCostModel:
+    """Op groups: linear layers, attention prefill, attention decode, LM head, norms/elementwise.
+
+    Assumptions: the LM head computes one logits row per scheduled sequence (``num_seqs``: every decode and every
+    prefill chunk, as vLLM does before discarding a partial prefill's sample); the embedding lookup and
+    all-reduce latency are ignored; quantised weights are dequantised to compute at 16-bit peak (weight-only
+    quantisation saves bytes, not FLOPs). A step with no tokens costs ``overhead_s``.
+    """
+
+    def __init__(self, model: ModelSpec | Mapping[str, Any], hardware: HardwareSpec | Mapping[str, Any],
+                 compute_eff: float = 0.7, bw_eff: float = 0.75, overhead_s: float = 1e-3, weight_bits: int = 16,
+                 kv_bits: int = 16, group_size: int = 128, tp: int = 1) -> None:
+        m, hw = as_model_spec(model), as_hardware_spec(hardware)
+        self.model, self.hardware = m, hw
+        self.compute_eff, self.bw_eff = _fraction("compute_eff", compute_eff), _fraction("bw_eff", bw_eff)
+        if isinstance(overhead_s, bool) or not isinstance(overhead_s, int | float) or not 0 <= overhead_s < math.inf:
+            raise ValueError(f"cost_model.overhead_s={overhead_s!r}; allowed: a finite number >= 0")
+        self.overhead_s = float(overhead_s)
+        ar.check_quant(weight_bits, kv_bits, group_size)
+        self.weight_bits, self.kv_bits, self.group_size = weight_bits, kv_bits, group_size
+        kv_heads = ar.kv_heads_per_device(m, tp)  # validates tp
+        if tp > 1 and hw.interconnect_bw <= 0:
+            raise ValueError(f"cost_model.tp={tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
+        self.tp = tp
+
+        self._flop_rate = hw.peak_flops * self.compute_eff
+        self._byte_rate = hw.mem_bw * self.bw_eff
+        self._linear_flops = ar.linear_flops_per_token(m) / tp
+        self._linear_bytes = ar.linear_weight_bytes(m, weight_bits, group_size) / tp
+        self._head_flops = ar.lm_head_flops_per_token(m) / tp
+        self._head_bytes = ar.embedding_params(m) * ar.act_bytes(m) / tp
+        self._logit_bytes = m.vocab_size * LOGIT_BYTES / tp
+        self._pair_flops = ar.attention_flops_per_pair(m) / tp
+        self._kv_bytes = ar.kv_bytes_per_token(m, kv_bits) * kv_heads / m.num_kv_heads
+        self._elem_bytes = ar.elementwise_bytes_per_token(m, tp)
+        ring = 2 * (tp - 1) / tp  # bytes each device sends per byte reduced, ring all-reduce
+        self._allreduce_s_per_token = (ALLREDUCES_PER_LAYER * m.num_layers * ring * m.hidden_size * ar.act_bytes(m)
+                                       / hw.interconnect_bw) if tp > 1 else 0.0
+
+    def params(self) -> dict[str, Any]:
+        """Constructor arguments other than the specs."""
+        return {k: getattr(self, k) for k in ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits",
+                                              "group_size", "tp")}
+
+    def replace(self, **changes: Any) -> RooflineCostModel:
+        return RooflineCostModel(self.model, self.hardware, **{**self.params(), **changes})
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Per device."""
+        return self._kv_bytes
+
+    @property
+    def weight_bytes_per_step(self) -> float:
+        """Weights a step with tokens streams per device: decoder linear layers + LM head (not the embedding table)."""
+        return self._linear_bytes + self._head_bytes
+
+    def ops(self, f: StepFeatures) -> dict[str, OpCost]:
+        """FLOPs and bytes of each op group of the step, per device."""
+        t = f.num_batched_tokens
+        if t == 0:
+            return {}
+        return {
+            "linear": OpCost(self._linear_flops * t, self._linear_bytes),
+            "attention_prefill": OpCost(self._pair_flops * f.attention_pairs, self._kv_bytes * f.prefill_kv_tokens),
+            "attention_decode": OpCost(self._pair_flops * f.kv_tokens_read, self._kv_bytes * f.kv_tokens_read),
+            "lm_head": OpCost(self._head_flops * f.num_seqs, self._head_bytes + self._logit_bytes * f.num_seqs),
+            "elementwise": OpCost(self._elem_bytes * t / ar.act_bytes(self.model), self._elem_bytes * t),
+        }
+
+    def op_time(self, c: OpCost) -> float:
+        return max(c.flops / self._flop_rate, c.bytes / self._byte_rate)
+
+    def breakdown(self, f: StepFeatures) -> dict[str, float]:
+        """Seconds per op group, plus ``allreduce`` and ``overhead``; they sum to ``step_time``."""
+        times = {name: self.op_time(c) for name, c in self.ops(f).items()}
+        times["allreduce"] = self._allreduce_s_per_token * f.num_batched_tokens
+        times["overhead"] = self.overhead_s
+        return times
+
+    def step_time(self, f: StepFeatures) -> float:
+        return sum(self.breakdown(f).values())

@@ -1,0 +1,110 @@
+"""The estimate tool: hand-checked numbers from estimate(), the Hydra entry point, and the CLI once."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from core.specs import HardwareSpec, ModelSpec
+from experiments.estimate import estimate, format_table, main, run
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA3_8B = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256)
+LLAMA2_70B = ModelSpec("llama2_70b", 80, 8192, 64, 8, 128, 28672, 32000, dtype="float16")
+H100 = HardwareSpec("h100", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9, interconnect_bw=450e9)
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="estimate", overrides=list(overrides))
+
+
+def test_llama3_8b_on_h100_by_hand():
+    r = estimate(LLAMA3_8B, H100, batch_sizes=[1, 256], context=2048, prefill_len=2048)
+    assert r["weight_bytes"] == 2 * 8_030_261_248
+    assert r["kv_bytes_per_token"] == 131072
+    assert r["ridge_point"] == pytest.approx(295.22, abs=0.01)
+    budget = 0.9 * 80e9 - 2 * 8_030_261_248
+    assert r["memory"]["max_concurrent_seqs"] == math.floor(budget / (2048 * 131072)) == 208
+    b1, b256 = r["decode"]
+    assert b1["bound"] == "memory" and b1["fits"] and not b256["fits"]
+    assert b1["time_lower_bound_s"] == pytest.approx(2 * 8.03e9 / 3.35e12, rel=0.08)  # ~ weights / bandwidth
+    assert b1["kv_bytes"] == 2048 * 131072 and b256["kv_bytes"] == 256 * 2048 * 131072
+    assert b1["tokens_per_s_max"] == pytest.approx(1 / b1["time_lower_bound_s"])
+    assert b256["tokens_per_s_max"] == pytest.approx(256 / b256["time_lower_bound_s"])
+    assert r["prefill"]["bound"] == "compute" and r["prefill"]["intensity"] > r["ridge_point"]
+    assert r["prefill"]["flops"] == pytest.approx(2048 * 2 * 6.98e9, rel=0.05)
+    # default efficiencies are 1 and overhead 0: the estimate is the lower bound
+    assert b1["time_est_s"] == b1["time_lower_bound_s"]
+
+
+def test_quantised_weights_speedup_and_kv8_capacity():
+    r = estimate(LLAMA3_8B, H100, weight_bits=4, kv_bits=8, batch_sizes=[1, 32, 256], context=8192)
+    speedups = [d["quant_speedup"] for d in r["decode"]]
+    assert speedups[0] > speedups[1] > speedups[2] > 1.0
+    assert r["weight_bytes"] < 0.4 * r["weight_bytes_16bit"]
+    mem = r["memory"]
+    assert mem["max_concurrent_seqs"] == math.floor(mem["kv_budget_bytes"] / (8192 * 65536))
+    assert mem["kv_capacity_gain"] == pytest.approx(2.0, rel=0.05)
+    assert "W4 speed-up" in format_table(r) and "vs 16-bit KV" in format_table(r)
+
+
+def test_70b_needs_tensor_parallelism_to_fit():
+    assert not estimate(LLAMA2_70B, H100)["memory"]["weights_fit"]
+    r = estimate(LLAMA2_70B, H100, tp=4)
+    assert r["memory"]["weights_fit"] and r["weight_bytes_per_device"] == r["weight_bytes"] / 4
+    assert "DO NOT FIT" in format_table(estimate(LLAMA2_70B, H100))
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    ({"batch_sizes": []}, "batch_sizes"), ({"batch_sizes": [0]}, "batch_sizes"), ({"context": 0}, "context"),
+    ({"prefill_len": -5}, "prefill_len"), ({"memory_fraction": 0}, "memory_fraction"),
+    ({"weight_bits": 2}, "weight_bits"), ({"tp": 0}, "tp"), ({"compute_eff": -0.5}, "compute_eff"),
+])
+def test_bad_values_name_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        estimate(LLAMA3_8B, H100, **kwargs)
+
+
+def test_main_prints_table_and_json(capsys):
+    main(_compose("model=tiny", "hardware=cpu", "estimate.batch_sizes=[1,4]"))
+    out = capsys.readouterr().out
+    assert "tiny on cpu" in out and "tok/s est" in out
+    main(_compose("estimate.json=true", "cost_model.weight_bits=4", "cost_model.tp=2"))
+    r = json.loads(capsys.readouterr().out)
+    assert (r["model"], r["hardware"], r["tp"], r["weight_bits"]) == ("llama3_8b", "h100", 2, 4)
+    assert [d["batch_size"] for d in r["decode"]] == [1, 8, 32, 128, 256]
+    # the configured efficiencies (roofline.yaml) make the estimate slower than the bound
+    assert all(d["time_est_s"] > d["time_lower_bound_s"] for d in r["decode"])
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("+estimate.foo=1", "foo"), ("cost_model=linear", "cost_model._target_"), ("+cost_model.speed=2", "speed"),
+    ("estimate.json=3", "estimate.json"),
+])
+def test_run_rejects_bad_config(override, key):
+    with pytest.raises(ValueError, match=key):
+        run(_compose(override))
+
+
+def test_cli_smoke():
+    cmd = [sys.executable, "-m", "experiments.estimate", "model=tiny", "hardware=cpu", "estimate.json=true",
+           "estimate.batch_sizes=[2]"]
+    ok = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["decode"][0]["batch_size"] == 2
+    bad = subprocess.run(cmd + ["cost_model.kv_bits=4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "kv_bits=4" in bad.stderr
+
+
+def test_compute_share_shows_compute_bound_linear_layers_inside_a_memory_bound_step():
+    r = estimate(LLAMA3_8B, H100, weight_bits=4, batch_sizes=[1, 1024], context=128)
+    small, big = r["decode"]
+    assert small["compute_share"] == 0.0  # batch 1: every op group streams bytes
+    # 1024 tokens over 4-bit weights: ~3600 FLOP/B in the linear layers, far above the 295 ridge point
+    assert big["compute_share"] > 0.5
+    assert 0.75 < r["prefill"]["compute_share"] < 1.0  # the rest: memory-bound norms and elementwise ops

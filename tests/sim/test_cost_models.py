@@ -1,0 +1,199 @@
+"""Roofline and linear cost models against hand arithmetic; every conf option composes and instantiates."""
+
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from core.batch import StepFeatures
+from core.specs import HardwareSpec, ModelSpec
+from sim.cost import CostModel, LinearCostModel, RooflineCostModel, decode_features, prefill_features
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+LLAMA3_8B = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256)
+H100 = HardwareSpec("h100", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9, interconnect_bw=450e9)
+LAYER_LINEAR = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q,o + k,v + gate/up/down
+HEAD = 128256 * 4096
+
+
+def ideal(**kw) -> RooflineCostModel:
+    """Datasheet peaks, no overhead: the pure roofline."""
+    return RooflineCostModel(LLAMA3_8B, H100, compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, **kw)
+
+
+def test_features_helpers_match_hand_counts():
+    f = prefill_features(100, cached=50)
+    assert f.attention_pairs == 100 * 50 + 100 * 101 // 2 and f.prefill_kv_tokens == 150
+    assert f.num_prefill_tokens == f.num_batched_tokens == 100 and f.num_decode_seqs == 0
+    d = decode_features(8, 1000)
+    assert (d.num_decode_seqs, d.num_batched_tokens, d.kv_tokens_read) == (8, 8, 8000)
+
+
+def test_decode_batch1_is_weight_bandwidth_bound():
+    cm = ideal()
+    streamed = 2 * (32 * LAYER_LINEAR + HEAD)  # all weights but the embedding table, 16-bit
+    f = decode_features(1, 1)
+    assert cm.step_time(f) == pytest.approx(streamed / 3.35e12, rel=0.005)
+    ops = cm.ops(f)
+    assert ops["linear"].intensity < 989 / 3.35  # below the ridge point
+    assert cm.op_time(ops["linear"]) == pytest.approx(2 * 32 * LAYER_LINEAR / 3.35e12)
+
+
+def test_ridge_point_is_where_linear_layers_turn_compute_bound():
+    # 16-bit linear layers do 2 FLOPs per weight per token and read 2 bytes per weight: intensity = tokens.
+    ridge = 989e12 / 3.35e12  # 295.2
+    cm = ideal()
+    for n, bound in ((math.floor(ridge), "memory"), (math.ceil(ridge), "compute")):
+        c = cm.ops(prefill_features(n))["linear"]
+        assert c.intensity == pytest.approx(n)
+        memory_time = c.bytes / 3.35e12
+        assert (cm.op_time(c) > memory_time) == (bound == "compute")
+
+
+def test_large_prefill_is_compute_bound():
+    n = 8192
+    cm = ideal()
+    flops = 2 * 32 * LAYER_LINEAR * n + 4 * 32 * 128 * 32 * n * (n + 1) / 2 + 2 * HEAD
+    t = cm.step_time(prefill_features(n))
+    assert t >= flops / 989e12
+    assert t == pytest.approx(flops / 989e12, rel=0.15)  # the rest: memory-bound norms/elementwise
+    b = cm.breakdown(prefill_features(n))
+    assert b["linear"] == pytest.approx(2 * 32 * LAYER_LINEAR * n / 989e12)
+    assert b["attention_prefill"] == pytest.approx(4 * 32 * 128 * 32 * n * (n + 1) / 2 / 989e12)
+
+
+def test_efficiencies_and_overhead():
+    f = decode_features(1, 1)
+    slow = RooflineCostModel(LLAMA3_8B, H100, compute_eff=0.5, bw_eff=0.5, overhead_s=2e-3)
+    assert slow.step_time(f) == pytest.approx(2 * ideal().step_time(f) + 2e-3)
+    assert ideal().step_time(StepFeatures()) == 0.0
+    assert slow.step_time(StepFeatures()) == 2e-3  # an empty step costs only the fixed overhead
+    assert sum(slow.breakdown(f).values()) == slow.step_time(f)
+
+
+def test_decode_kv_bytes_and_kv_bits():
+    f = decode_features(4, 1000)
+    assert ideal().ops(f)["attention_decode"].bytes == 4000 * 131072
+    assert ideal(kv_bits=8).ops(f)["attention_decode"].bytes == 4000 * 65536
+    assert ideal().ops(f)["attention_decode"].flops == 4000 * 4 * 32 * 128 * 32
+
+
+def test_w4_speedup_approaches_one_as_kv_reads_dominate():
+    w16, w4 = ideal(), ideal(weight_bits=4, group_size=128)
+    speedups = [w16.step_time(f) / w4.step_time(f)
+                for f in (decode_features(1, 128), decode_features(32, 2048), decode_features(256, 32768))]
+    assert speedups[0] > 2.5  # weights: 15.0 GB -> 4.1 GB when almost nothing else is read
+    assert speedups[0] > speedups[1] > speedups[2] > 1.0
+    assert speedups[2] < 1.01
+
+
+def test_tp2_halves_per_device_bytes_and_adds_allreduce():
+    one, two = ideal(), ideal(tp=2)
+    f = decode_features(16, 4096)
+    o1, o2 = one.ops(f), two.ops(f)
+    for group in ("linear", "attention_decode", "lm_head"):
+        assert o2[group].bytes == pytest.approx(o1[group].bytes / 2)
+        assert o2[group].flops == pytest.approx(o1[group].flops / 2)
+    assert one.breakdown(f)["allreduce"] == 0.0
+    # 2 all-reduces per layer of 16 tokens x 4096 x 2 bytes; ring: 2(tp-1)/tp of the bytes over 450 GB/s
+    assert two.breakdown(f)["allreduce"] == pytest.approx(2 * 32 * (2 * 1 / 2) * 16 * 4096 * 2 / 450e9)
+    assert two.kv_bytes_per_token == 65536
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("compute_eff", 0.0), ("compute_eff", 1.5), ("bw_eff", -1), ("overhead_s", -1e-3), ("weight_bits", 3),
+    ("kv_bits", 4), ("group_size", 0), ("tp", 0), ("tp", 3), ("compute_eff", "fast"),
+])
+def test_roofline_rejects_bad_values_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        RooflineCostModel(LLAMA3_8B, H100, **{key: value})
+
+
+def test_tp_needs_an_interconnect():
+    cpu = HardwareSpec("cpu", 1e11, 1.5e10, 16e9)
+    with pytest.raises(ValueError, match="interconnect_bw"):
+        RooflineCostModel(LLAMA3_8B, cpu, tp=2)
+
+
+def test_roofline_accepts_mappings_and_dictconfigs():
+    cfg = OmegaConf.create({"m": LLAMA3_8B.to_dict(), "h": {"name": "h100", "peak_flops": 989e12,
+                                                             "mem_bw": 3.35e12, "mem_bytes": 80e9}})
+    a = RooflineCostModel(cfg.m, cfg.h)
+    b = RooflineCostModel(LLAMA3_8B.to_dict(), dict(cfg.h))
+    assert a.model == b.model == LLAMA3_8B
+    assert isinstance(a, CostModel)
+    with pytest.raises(ValueError, match="unknown keys"):
+        RooflineCostModel({**LLAMA3_8B.to_dict(), "layers": 3}, H100)
+
+
+def test_linear_model_hand_arithmetic():
+    cm = LinearCostModel(c0_s=1e-3, per_prefill_token_s=2e-5, per_decode_seq_s=3e-4, per_attention_pair_s=1e-9,
+                         per_kv_token_read_s=4e-8)
+    f = StepFeatures(num_seqs=5, num_batched_tokens=104, num_prefill_seqs=1, num_prefill_tokens=100,
+                     num_decode_seqs=4, attention_pairs=5050, kv_tokens_read=2000, prefill_kv_tokens=100)
+    assert cm.step_time(f) == pytest.approx(1e-3 + 100 * 2e-5 + 4 * 3e-4 + 5050 * 1e-9 + 2000 * 4e-8)
+    assert cm.step_time(StepFeatures()) == 1e-3
+    assert isinstance(cm, CostModel)
+
+
+@pytest.mark.parametrize("key", ["c0_s", "per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s",
+                                 "per_kv_token_read_s"])
+def test_linear_rejects_negative_coefficients(key):
+    with pytest.raises(ValueError, match=key):
+        LinearCostModel(**{key: -1.0})
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_linear_file_round_trip(tmp_path, suffix):
+    cm = LinearCostModel(1.5e-3, 2.25e-5, 3e-4, 1.1e-9, 4.7e-8)
+    path = cm.to_file(tmp_path / f"calib{suffix}")
+    assert LinearCostModel.from_file(path) == cm
+    if suffix == ".yaml":  # the file is a ready conf/cost_model option
+        assert instantiate(OmegaConf.load(path)) == cm
+
+
+def test_linear_from_file_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("c0_s: 1.0e-3\nper_token_s: 2.0e-5\n")
+    with pytest.raises(ValueError, match=r"per_token_s.*allowed"):
+        LinearCostModel.from_file(path)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="estimate", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("model", _options("model"))
+def test_every_model_option_composes(model):
+    cfg = _compose(f"model={model}")
+    spec = ModelSpec.from_mapping(OmegaConf.to_container(cfg.model))
+    assert spec.name == model
+
+
+@pytest.mark.parametrize("hardware", _options("hardware"))
+def test_every_hardware_option_composes(hardware):
+    cfg = _compose(f"hardware={hardware}")
+    assert HardwareSpec.from_mapping(OmegaConf.to_container(cfg.hardware)).name == hardware
+
+
+@pytest.mark.parametrize("cost_model", _options("cost_model"))
+@pytest.mark.parametrize(("model", "hardware"), [("tiny", "cpu"), ("llama2_70b", "h200")])
+def test_every_cost_model_option_instantiates(cost_model, model, hardware):
+    cm = instantiate(_compose(f"cost_model={cost_model}", f"model={model}", f"hardware={hardware}").cost_model)
+    assert isinstance(cm, CostModel)
+    t = cm.step_time(decode_features(4, 256))
+    assert 0 < t < 10
+
+
+def test_all_models_instantiate_with_roofline_on_h100():
+    for model in _options("model"):
+        cm = instantiate(_compose(f"model={model}").cost_model)
+        assert isinstance(cm, RooflineCostModel) and cm.model.name == model
