@@ -1,0 +1,252 @@
+"""Run metrics, as DESIGN section 6 defines them (the definitions are part of the product).
+
+Per request (``request_metrics``):
+- TTFT = first token - arrival; E2E = finish - arrival (FINISHED requests only);
+  TPOT = (E2E - TTFT) / (n_out - 1), undefined (None) for n_out == 1 and left out of TPOT stats;
+- output events: consecutive entries of ``token_times`` with the same time are one event of k tokens;
+  ITL: each later event contributes its gap to the previous event divided by k, k times (the first
+  event's tokens belong to TTFT); max stall = largest gap between consecutive events, 0.0 for a
+  single-event response (nothing stalled: an SLO on stalls is met);
+- queue delay = first scheduled - arrival; prefill span = first token - first scheduled (TTFT = both).
+
+Summary (``summarize``): warmup requests are excluded everywhere. Latency stats (ttft/tpot/itl/e2e/
+max_stall/queue/prefill_span), throughput and ``stall_share_over_threshold`` use completed (FINISHED)
+requests; ITL stats pool every ITL sample (token-weighted). Counts, SLO attainment, goodput and the
+prefix metrics use every non-warmup request, so rejected and timed-out requests stay in the denominators.
+``duration_s`` runs from the first arrival to the last terminal event. Group stats are computed from each
+group's own samples, never from other percentiles. Empty populations give ``count`` 0 and None values (null in JSON).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from core.request import RequestState, Status
+from core.specs import ModelSpec
+
+PERCENTILE_METHODS = ("nearest_rank", "linear")
+DEFAULT_PERCENTILES = (50, 90, 99)
+DEFAULT_PROMPT_LEN_EDGES = (256, 1024, 4096)
+LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "max_stall_s", "queue_s", "prefill_span_s")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    max_stall_s: float | None
+    queue_s: float | None
+    prefill_span_s: float | None
+    itl_s: tuple[float, ...]
+
+
+def output_events(token_times: Sequence[float]) -> list[tuple[float, int]]:
+    """(time, number of tokens) per output event: equal consecutive times are one multi-token event."""
+    events: list[tuple[float, int]] = []
+    for t in token_times:
+        if events and events[-1][0] == t:
+            events[-1] = (t, events[-1][1] + 1)
+        else:
+            events.append((t, 1))
+    return events
+
+
+def itl_samples(events: Sequence[tuple[float, int]]) -> list[float]:
+    out: list[float] = []
+    for (t0, _), (t1, k) in zip(events, events[1:], strict=False):
+        out.extend([(t1 - t0) / k] * k)
+    return out
+
+
+def request_metrics(state: RequestState) -> RequestMetrics:
+    a, st = state.request.arrival_s, state
+    ttft = None if st.first_token_s is None else st.first_token_s - a
+    done = st.status is Status.FINISHED and st.finish_s is not None
+    e2e = st.finish_s - a if done else None
+    n = st.num_output_tokens
+    tpot = (e2e - ttft) / (n - 1) if done and ttft is not None and n > 1 else None
+    events = output_events(st.token_times)
+    gaps = [t1 - t0 for (t0, _), (t1, _) in zip(events, events[1:], strict=False)]
+    stall = max(gaps, default=0.0) if events else None
+    queue = None if st.first_scheduled_s is None else st.first_scheduled_s - a
+    span = None if st.first_token_s is None or st.first_scheduled_s is None else st.first_token_s - st.first_scheduled_s
+    return RequestMetrics(ttft, tpot, e2e, stall, queue, span, tuple(itl_samples(events)))
+
+
+def percentile(values: Iterable[float], p: float, method: str = "nearest_rank") -> float | None:
+    """Nearest-rank (the smallest value with at least p% of the sample at or below it) or linear interpolation."""
+    if method not in PERCENTILE_METHODS:
+        raise ValueError(f"percentile_method={method!r}; allowed: {list(PERCENTILE_METHODS)}")
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
+    x = np.sort(np.asarray(list(values), dtype=np.float64))
+    if x.size == 0:
+        return None
+    if method == "linear":
+        return float(np.percentile(x, p))
+    rank = max(1, math.ceil(p * x.size / 100 - 1e-9))  # the epsilon absorbs p * n / 100 landing just above an integer
+    return float(x[rank - 1])
+
+
+def stats(values: Iterable[float], method: str = "nearest_rank",
+          percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
+    """count, mean, min, max and the requested percentiles (``p50``...); None values when empty."""
+    x = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    out: dict[str, Any] = {"count": int(x.size), "mean": float(x.mean()) if x.size else None,
+                           "min": float(x.min()) if x.size else None, "max": float(x.max()) if x.size else None}
+    for p in percentiles:
+        out[f"p{p:g}"] = percentile(x, p, method)
+    return out
+
+
+def prefix_work(n: Any, a: float, b: float) -> Any:
+    """Prefill cost of n tokens: a per token (weights) + b per causal attention pair (n(n+1)/2 pairs)."""
+    n = np.asarray(n, dtype=np.float64)
+    return a * n + b * n * (n + 1) / 2
+
+
+def prefix_cost_coeffs(model: ModelSpec) -> tuple[float, float]:
+    """(a, b) for ``prefix_work`` in FLOPs: linear layers per token, and QK^T + PV per attention pair."""
+    q, kv, h = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.hidden_size
+    a = 2.0 * model.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * model.intermediate_size)
+    b = 4.0 * model.num_layers * q
+    return a, b
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Per-request targets; None = not checked. A request's own ``ttft_deadline_s`` overrides ``ttft_s``."""
+
+    ttft_s: float | None = None
+    max_stall_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
+                raise ValueError(f"slo.{f.name} must be a number > 0 or null, got {v!r}")
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> SLO:
+        cfg = dict(cfg or {})
+        unknown = sorted(set(cfg) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"slo: unknown keys {unknown}; allowed: {[f.name for f in fields(cls)]}")
+        return cls(**cfg)
+
+    def met(self, state: RequestState, m: RequestMetrics) -> bool:
+        """Completed and within every target (TPOT is not checked for single-token answers)."""
+        if state.status is not Status.FINISHED:
+            return False
+        ttft = state.request.ttft_deadline_s if state.request.ttft_deadline_s is not None else self.ttft_s
+        checks = ((ttft, m.ttft_s), (self.max_stall_s, m.max_stall_s), (self.tpot_s, m.tpot_s), (self.e2e_s, m.e2e_s))
+        return all(limit is None or value is None or value <= limit for limit, value in checks)
+
+
+def _latency(pairs: list[tuple[RequestState, RequestMetrics]], method: str,
+             percentiles: Sequence[float]) -> dict[str, Any]:
+    done = [m for s, m in pairs if s.status is Status.FINISHED]
+    out = {k: stats((getattr(m, k) for m in done), method, percentiles) for k in LATENCY_KEYS if k != "itl_s"}
+    out["itl_s"] = stats((x for m in done for x in m.itl_s), method, percentiles)
+    return out
+
+
+def _group(pairs: list[tuple[RequestState, RequestMetrics]], method: str,
+           percentiles: Sequence[float]) -> dict[str, Any]:
+    return {"num_requests": len(pairs), "num_completed": sum(s.status is Status.FINISHED for s, _ in pairs),
+            **_latency(pairs, method, percentiles)}
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return float(num / den) if den > 0 else None
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    bounds = [0, *edges, math.inf]
+    return [f"[{lo},{'inf' if hi == math.inf else hi})" for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | None = None,
+              percentile_method: str = "nearest_rank", percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+              prefix_cost: tuple[float, float] = (1.0, 0.0), prompt_len_edges: Sequence[int] = DEFAULT_PROMPT_LEN_EDGES,
+              stall_threshold_s: float | None = None) -> dict[str, Any]:
+    """The metrics.json summary of one run (see the module docstring for populations and definitions).
+
+    ``prefix_cost`` = (a, b) of ``prefix_work``; (1, 0) makes work saved equal token reuse, and
+    ``prefix_cost_coeffs(model)`` gives FLOP-based ones. ``stall_threshold_s`` defaults to ``slo.max_stall_s``.
+    """
+    if percentile_method not in PERCENTILE_METHODS:
+        raise ValueError(f"percentile_method={percentile_method!r}; allowed: {list(PERCENTILE_METHODS)}")
+    edges = [int(e) for e in prompt_len_edges]
+    if any(e <= 0 for e in edges) or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise ValueError(f"prompt_len_edges must be increasing positive ints, got {list(prompt_len_edges)}")
+    slo = slo if isinstance(slo, SLO) else SLO.from_mapping(slo)
+    a, b = (float(c) for c in prefix_cost)
+    threshold = stall_threshold_s if stall_threshold_s is not None else slo.max_stall_s
+
+    all_states = list(states)
+    measured = [s for s in all_states if not s.request.warmup]
+    pairs = [(s, request_metrics(s)) for s in measured]
+    done = [(s, m) for s, m in pairs if s.status is Status.FINISHED]
+    counts = {st.value: 0 for st in Status}
+    for s in measured:
+        counts[s.status.value] += 1
+
+    ends = [max(t for t in (s.request.arrival_s, s.first_token_s, s.finish_s, *s.token_times[-1:]) if t is not None)
+            for s in measured]
+    duration = max(ends) - min(s.request.arrival_s for s in measured) if measured else 0.0
+    n_met = sum(slo.met(s, m) for s, m in pairs)
+    out_tokens = sum(s.num_output_tokens for s, _ in done)
+    stalls = [m.max_stall_s for _, m in done if m.max_stall_s is not None]
+
+    n = np.array([s.request.prompt_len for s in measured], dtype=np.float64)
+    h = np.array([s.num_cached_tokens for s in measured], dtype=np.float64)
+    lens = np.array([s.request.prompt_len for s in measured], dtype=np.int64)
+    bucket = np.searchsorted(np.asarray(edges), lens, side="right")
+    prompt_groups = {label: _group([p for p, k in zip(pairs, bucket, strict=True) if k == i],
+                                   percentile_method, percentiles)
+                     for i, label in enumerate(bucket_labels(edges))}
+
+    return {
+        "num_requests": len(measured),
+        "num_warmup": len(all_states) - len(measured),
+        "num_completed": counts[Status.FINISHED.value],
+        "num_rejected": counts[Status.REJECTED.value],
+        "num_timed_out": counts[Status.TIMED_OUT.value],
+        "counts_by_status": counts,
+        "duration_s": float(duration) if measured else None,
+        "percentile_method": percentile_method,
+        **_latency(pairs, percentile_method, percentiles),
+        "slo": asdict(slo),
+        "num_slo_met": int(n_met),
+        "slo_attainment": _ratio(n_met, len(measured)),
+        "goodput_rps": _ratio(n_met, duration),
+        "throughput_rps": _ratio(len(done), duration),
+        "throughput_tok_s": _ratio(out_tokens, duration),
+        "output_tokens": int(out_tokens),
+        "prompt_tokens": int(n.sum()),
+        "cached_tokens": int(h.sum()),
+        "request_hit_rate": _ratio(float((h > 0).sum()), len(measured)),
+        "token_reuse_rate": _ratio(float(h.sum()), float(n.sum())),
+        "prefill_work_saved": _ratio(float(prefix_work(h, a, b).sum()), float(prefix_work(n, a, b).sum())),
+        "prefix_cost_a": a,
+        "prefix_cost_b": b,
+        "stall_threshold_s": threshold,
+        "stall_share_over_threshold": None if threshold is None else _ratio(sum(x > threshold for x in stalls),
+                                                                             len(stalls)),
+        "groups": {
+            "prefix": {"hit": _group([p for p in pairs if p[0].num_cached_tokens > 0], percentile_method, percentiles),
+                       "miss": _group([p for p in pairs if p[0].num_cached_tokens == 0], percentile_method,
+                                      percentiles)},
+            "prompt_len": prompt_groups,
+        },
+        "prompt_len_edges": edges,
+    }

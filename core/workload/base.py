@@ -1,0 +1,126 @@
+"""Helpers every workload shares: seeded streams, config checks, path resolution, content ids, tenants."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.request import RequestState
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory that contains core/
+
+# Independent random streams: changing one knob (say the arrival rate) leaves the other draws unchanged,
+# so a load sweep replays the same requests at different times.
+ARRIVALS, PROMPT, OUTPUT, TENANT, GROUP, THINK, SESSION = range(7)
+
+
+def rng(seed: int, *stream: int) -> np.random.Generator:
+    """A generator for one named stream of one seed (numpy SeedSequence: streams are independent)."""
+    return np.random.default_rng([seed, *stream])
+
+
+def check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"workload.seed must be an int >= 0, got {seed!r}")
+    return int(seed)
+
+
+def check_int(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"workload.{key} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_float(value: Any, key: str, minimum: float = 0.0, strict: bool = False) -> float:
+    ok = isinstance(value, int | float | np.number) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (strict and value == minimum):
+        raise ValueError(f"workload.{key} must be a number {'>' if strict else '>='} {minimum}, got {value!r}")
+    return float(value)
+
+
+def check_bound(num_requests: int | None, duration_s: float | None, what: str = "num_requests",
+                required: bool = True) -> None:
+    """Open-ended generators need a stop: a count, a duration, or both (whichever comes first).
+    A finite arrival source (trace timestamps) may leave both unset (``required=False``)."""
+    if required and num_requests is None and duration_s is None:
+        raise ValueError(f"workload: set {what} or duration_s (or both; whichever is reached first stops it)")
+    if num_requests is not None:
+        check_int(num_requests, what, 1)
+    if duration_s is not None:
+        check_float(duration_s, "duration_s", 0.0, strict=True)
+
+
+def plain(obj: Any) -> Any:
+    """Config containers (dicts, OmegaConf DictConfig/ListConfig) -> plain dicts and lists, interpolations resolved."""
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def resolve_path(path: str | Path, key: str = "path") -> Path:
+    """A relative path is tried against the current directory first, then against the repository root."""
+    p = Path(path).expanduser()
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"workload.{key}={str(path)!r}: no such file (tried {', '.join(map(str, candidates))})")
+
+
+def tenant_name(index: int, num_tenants: int) -> str:
+    """One tenant -> the default empty tenant; several -> tenant0, tenant1, ... (each its own cache salt)."""
+    return "" if num_tenants == 1 else f"tenant{index}"
+
+
+def content_block_size(hash_block_size: int, shared_len: int) -> int:
+    """Tokens per content id such that a shared segment of ``shared_len`` tokens is a whole number of ids.
+
+    Sharing through ``hash_ids`` is exact only at id boundaries; gcd keeps a segment ending mid-block from
+    either leaking into or losing part of the tokens that follow it.
+    """
+    return math.gcd(hash_block_size, shared_len) if shared_len else hash_block_size
+
+
+class IdCounter:
+    """Fresh content ids in one workload's namespace (never reused, so unshared content gets its own ids)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
+
+    def take(self, n: int) -> tuple[int, ...]:
+        ids = tuple(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def blocks(tokens: int, block: int) -> int:
+    return -(-tokens // block)
+
+
+class OpenLoop:
+    """Open-loop workloads: everything arrives from ``initial``; a finished request brings nothing."""
+
+    def on_finish(self, state: RequestState, now: float) -> None:
+        return None
+
+
+THINK_KINDS = ("fixed", "exponential")
+
+
+def check_think(think_time_s: float, think: str) -> float:
+    if think not in THINK_KINDS:
+        raise ValueError(f"workload.think={think!r}; allowed: {list(THINK_KINDS)}")
+    return check_float(think_time_s, "think_time_s")
+
+
+def draw_think(g: np.random.Generator, think_time_s: float, think: str) -> float:
+    """A client's pause between seeing an answer and sending the next request (mean ``think_time_s``)."""
+    if think == "fixed" or think_time_s == 0.0:
+        return think_time_s
+    return float(g.exponential(think_time_s))

@@ -1,0 +1,186 @@
+"""Metric definitions against hand-computed values and independent references."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core.metrics import (
+    SLO,
+    bucket_labels,
+    output_events,
+    percentile,
+    prefix_cost_coeffs,
+    prefix_work,
+    request_metrics,
+    stats,
+    summarize,
+)
+from core.request import Request, RequestState, Status
+from core.specs import ModelSpec
+
+
+def mk(rid="r", arrival=0.0, sched=None, times=(), status=Status.FINISHED, prompt=40, cached=0, warmup=False,
+       finish=None, deadline=None) -> RequestState:
+    req = Request(rid, arrival, prompt, max(1, len(times)), warmup=warmup, ttft_deadline_s=deadline)
+    s = RequestState(req, status=status, output_token_ids=[1] * len(times), num_cached_tokens=cached,
+                     first_scheduled_s=sched, token_times=list(times))
+    s.first_token_s = times[0] if times else None
+    s.finish_s = finish if finish is not None else (times[-1] if times else None)
+    return s
+
+
+def test_request_metrics_by_hand():
+    m = request_metrics(mk(arrival=1.0, sched=1.5, times=(2.0, 2.25, 2.75, 3.0)))
+    assert m.ttft_s == 1.0 and m.e2e_s == 2.0 and m.queue_s == 0.5 and m.prefill_span_s == 0.5
+    assert m.tpot_s == pytest.approx(1 / 3)
+    assert m.itl_s == (0.25, 0.5, 0.25) and m.max_stall_s == 0.5
+
+
+def test_multi_token_events_split_their_gap():
+    times = (1.0, 2.0, 2.0, 2.0, 3.0)
+    assert output_events(times) == [(1.0, 1), (2.0, 3), (3.0, 1)]
+    m = request_metrics(mk(sched=0.5, times=times))
+    assert m.itl_s == pytest.approx((1 / 3, 1 / 3, 1 / 3, 1.0)) and m.max_stall_s == 1.0
+    assert m.tpot_s == pytest.approx((3.0 - 1.0) / 4)
+
+
+def test_single_token_and_unfinished_requests():
+    one = request_metrics(mk(arrival=0.0, sched=0.1, times=(0.5,)))
+    assert one.tpot_s is None and one.max_stall_s == 0.0 and one.itl_s == () and one.e2e_s == 0.5
+    rej = request_metrics(mk(status=Status.REJECTED, finish=0.0))
+    assert (rej.ttft_s, rej.e2e_s, rej.max_stall_s, rej.queue_s) == (None, None, None, None)
+    late = request_metrics(mk(sched=1.0, times=(2.0, 3.0), status=Status.TIMED_OUT, finish=5.0))
+    assert late.ttft_s == 2.0 and late.e2e_s is None and late.tpot_s is None
+
+
+def test_percentile_methods_on_a_known_list():
+    x = [15, 20, 35, 40, 50]
+    assert [percentile(x, p) for p in (5, 30, 40, 50, 100)] == [15, 20, 20, 35, 50]  # nearest rank
+    assert percentile(x, 40, "linear") == pytest.approx(29.0)  # 20 + 0.6 * (35 - 20)
+    assert percentile(x, 0) == 15 and percentile([], 50) is None
+    assert percentile(list(range(1, 101)), 7) == 7  # 7 * 100 / 100 must not round up to rank 8
+    with pytest.raises(ValueError, match="percentile_method"):
+        percentile(x, 50, "midpoint")
+
+
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=60), st.floats(0, 100))
+def test_nearest_rank_matches_numpy_inverted_cdf(xs, p):
+    p = round(p, 3)
+    assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p, method="inverted_cdf")))
+    assert percentile(xs, p, "linear") == pytest.approx(float(np.percentile(xs, p)))
+
+
+def test_stats_empty_is_json_safe():
+    s = stats([])
+    assert s == {"count": 0, "mean": None, "min": None, "max": None, "p50": None, "p90": None, "p99": None}
+    out = summarize([])
+    assert out["num_requests"] == 0 and out["ttft_s"]["count"] == 0 and out["goodput_rps"] is None
+    json.dumps(out, allow_nan=False)
+
+
+def _run():
+    return [
+        mk("a", 0.0, 0.0, (0.5, 0.6, 0.7), cached=32),                       # meets
+        mk("b", 1.0, 1.0, (1.2, 1.3, 2.3), cached=0),                        # stall 1.0 > 0.5
+        mk("c", 2.0, 2.5, (4.0, 4.1)),                                       # TTFT 2.0 > 1.0
+        mk("d", 3.0, 3.0, (3.1,)),                                           # meets (single token)
+        mk("e", 4.0, status=Status.REJECTED, finish=4.0),
+        mk("f", 5.0, 5.0, (5.5,), status=Status.TIMED_OUT, finish=6.0),
+        mk("w", 0.0, 0.0, (90.0, 99.0), warmup=True),                        # excluded everywhere
+    ]
+
+
+def test_summary_counts_goodput_and_slo_attainment():
+    out = summarize(_run(), slo={"ttft_s": 1.0, "max_stall_s": 0.5})
+    assert (out["num_requests"], out["num_completed"], out["num_rejected"], out["num_timed_out"],
+            out["num_warmup"]) == (6, 4, 1, 1, 1)
+    assert out["counts_by_status"] == {"WAITING": 0, "RUNNING": 0, "PREEMPTED": 0, "FINISHED": 4, "REJECTED": 1,
+                                       "TIMED_OUT": 1}
+    assert out["duration_s"] == 6.0  # first arrival 0 -> timeout of f at 6
+    assert out["num_slo_met"] == 2 and out["slo_attainment"] == pytest.approx(2 / 6)
+    assert out["goodput_rps"] == pytest.approx(2 / 6) and out["throughput_rps"] == pytest.approx(4 / 6)
+    assert out["throughput_tok_s"] == pytest.approx((3 + 3 + 2 + 1) / 6)
+    assert out["ttft_s"]["count"] == 4 and out["ttft_s"]["max"] == 2.0 and out["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert out["tpot_s"]["count"] == 3  # d has one token
+    assert out["itl_s"]["count"] == 2 + 2 + 1 and out["itl_s"]["max"] == pytest.approx(1.0)
+    assert out["max_stall_s"]["count"] == 4 and out["queue_s"]["max"] == 0.5
+    assert out["stall_threshold_s"] == 0.5 and out["stall_share_over_threshold"] == pytest.approx(1 / 4)
+    assert out["percentile_method"] == "nearest_rank"
+    no_warmup = summarize(_run()[:-1], slo={"ttft_s": 1.0, "max_stall_s": 0.5})
+    assert no_warmup == {**out, "num_warmup": 0}  # warmup changes nothing else
+
+
+def test_per_request_deadline_and_tpot_slo():
+    s = [mk("a", 0.0, 0.0, (0.5, 0.6)), mk("b", 0.0, 0.0, (0.5, 0.6), deadline=0.4)]
+    assert summarize(s, slo=SLO(ttft_s=1.0))["num_slo_met"] == 1
+    assert summarize(s, slo=SLO(tpot_s=0.05))["num_slo_met"] == 0
+    with pytest.raises(ValueError, match="slo.ttft_s"):
+        SLO(ttft_s=-1)
+    with pytest.raises(ValueError, match="unknown keys"):
+        SLO.from_mapping({"ttft": 1})
+
+
+def test_prefix_metrics_by_hand():
+    # two 40-token requests sharing 32 tokens: the second gets 32 cached
+    s = [mk("a", 0.0, 0.0, (1.0,), prompt=40, cached=0), mk("b", 0.5, 0.5, (1.5,), prompt=40, cached=32)]
+    out = summarize(s, prefix_cost=(1.0, 1.0))
+    c = lambda n: n + n * (n + 1) / 2
+    assert out["request_hit_rate"] == 0.5 and out["token_reuse_rate"] == pytest.approx(32 / 80)
+    assert out["prefill_work_saved"] == pytest.approx(c(32) / (2 * c(40)))  # 560 / 1720
+    assert (out["prefix_cost_a"], out["prefix_cost_b"]) == (1.0, 1.0)
+    assert summarize(s)["prefill_work_saved"] == pytest.approx(0.4)  # a=1, b=0: token count
+    g = out["groups"]["prefix"]
+    assert g["hit"]["num_requests"] == 1 and g["hit"]["ttft_s"]["max"] == 1.0
+    assert g["miss"]["ttft_s"]["max"] == 1.0 and g["miss"]["num_completed"] == 1
+
+
+def test_rejected_requests_count_in_prefix_denominators():
+    s = [mk("a", 0.0, 0.0, (1.0,), prompt=40, cached=32), mk("b", 0.0, status=Status.REJECTED, finish=0.0, prompt=60)]
+    out = summarize(s)
+    assert out["request_hit_rate"] == 0.5 and out["token_reuse_rate"] == pytest.approx(32 / 100)
+
+
+def test_prefix_work_and_model_coeffs():
+    assert prefix_work(4, 2.0, 3.0) == 2 * 4 + 3 * 10
+    assert list(prefix_work(np.array([0, 1, 2]), 1.0, 1.0)) == [0, 2, 5]
+    spec = ModelSpec("m", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                     vocab_size=10)
+    a, b = prefix_cost_coeffs(spec)
+    assert a == 2 * 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16) and b == 4 * 2 * 8
+
+
+def test_prompt_len_buckets():
+    assert bucket_labels([256, 1024]) == ["[0,256)", "[256,1024)", "[1024,inf)"]
+    s = [mk("a", 0, 0, (1.0,), prompt=255), mk("b", 0, 0, (2.0,), prompt=256), mk("c", 0, 0, (3.0,), prompt=5000)]
+    g = summarize(s, prompt_len_edges=[256, 1024])["groups"]["prompt_len"]
+    assert [g[k]["ttft_s"]["max"] for k in g] == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="prompt_len_edges"):
+        summarize(s, prompt_len_edges=[10, 5])
+
+
+req_st = st.tuples(st.floats(0.0, 5.0), st.integers(1, 3000), st.booleans(), st.sampled_from(list(Status)[3:]))
+
+
+@given(st.lists(req_st, min_size=0, max_size=30), st.sampled_from(["nearest_rank", "linear"]))
+def test_group_stats_come_from_the_group_samples(rows, method):
+    states = [mk(f"r{i}", 0.0, 0.0, (ttft, ttft + 0.1), status=status, prompt=n, cached=16 if hit else 0,
+                 finish=ttft + 0.1) for i, (ttft, n, hit, status) in enumerate(rows)]
+    out = summarize(states, percentile_method=method, prompt_len_edges=[100, 1000])
+    done = [(s, s.first_token_s) for s in states if s.status is Status.FINISHED]
+    groups = {"hit": lambda s: s.num_cached_tokens > 0, "miss": lambda s: s.num_cached_tokens == 0}
+    np_method = "inverted_cdf" if method == "nearest_rank" else "linear"
+    for name, member in groups.items():
+        x = [t for s, t in done if member(s)]
+        got = out["groups"]["prefix"][name]["ttft_s"]
+        assert got["count"] == len(x)
+        for p in (50, 90, 99):
+            want = float(np.percentile(x, p, method=np_method)) if x else None
+            assert got[f"p{p}"] == (pytest.approx(want) if x else None)
+    lens = [(s.request.prompt_len, t) for s, t in done]
+    for label, (lo, hi) in zip(out["groups"]["prompt_len"], [(0, 100), (100, 1000), (1000, math.inf)], strict=True):
+        x = [t for n, t in lens if lo <= n < hi]
+        assert out["groups"]["prompt_len"][label]["ttft_s"]["mean"] == (pytest.approx(np.mean(x)) if x else None)

@@ -1,0 +1,108 @@
+"""Run output files: exact columns, round trips, byte-identical for equal inputs."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core.batch import StepFeatures
+from core.metrics import summarize
+from core.output import (
+    REQUEST_COLUMNS,
+    fmt,
+    read_metrics,
+    read_requests_csv,
+    read_steps_csv,
+    read_tokens_csv,
+    write_run,
+)
+from core.records import StepRecord
+from core.request import Request, RequestState, Status
+
+
+def _states():
+    a = RequestState(Request("a", 0.1, 40, 3, tenant="t,1"), status=Status.FINISHED, replica=0,
+                     output_token_ids=[1, 2, 3], num_cached_tokens=32, num_preemptions=1, first_scheduled_s=0.2,
+                     first_token_s=0.5, finish_s=0.9, token_times=[0.5, 0.7, 0.9])
+    b = RequestState(Request("b", 0.05, 9000, 2), status=Status.REJECTED, finish_s=0.05,
+                     reason='prompt of 9000 tokens exceeds max_model_len "4096", rejected')
+    w = RequestState(Request("w", 0.0, 8, 1, warmup=True), status=Status.FINISHED, replica=1, output_token_ids=[7],
+                     first_scheduled_s=0.0, first_token_s=1 / 3, finish_s=1 / 3, token_times=[1 / 3])
+    return [a, b, w]
+
+
+def _steps():
+    f = StepFeatures(num_seqs=2, num_batched_tokens=41, num_prefill_seqs=1, num_prefill_tokens=40, num_decode_seqs=1,
+                     attention_pairs=820, kv_tokens_read=9, prefill_kv_tokens=40, max_context_len=40)
+    return [StepRecord(0, 0.2, 0.3, f, 5, 0), StepRecord(0, 0.5, 0.2, StepFeatures(), 5, 1)]
+
+
+def _write(tmp_path, name, states=None):
+    states = _states() if states is None else states
+    return write_run(tmp_path / name, states, _steps(), summarize(states, slo={"ttft_s": 1.0}),
+                     extra_files={"config.yaml": "seed: 0\n"})
+
+
+def test_files_and_exact_columns(tmp_path):
+    paths = _write(tmp_path, "run")
+    assert set(paths) == {"requests.csv", "tokens.csv", "steps.csv", "metrics.json", "config.yaml"}
+    with open(paths["requests.csv"]) as f:
+        header, *rows = list(csv.reader(f))
+    assert tuple(header) == REQUEST_COLUMNS and REQUEST_COLUMNS[:16] == (
+        "id", "replica", "tenant", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s", "prompt_tokens",
+        "output_tokens", "cached_tokens", "num_preemptions", "status", "ttft_s", "tpot_s", "e2e_s", "max_stall_s")
+    assert [r[0] for r in rows] == ["w", "b", "a"]  # by arrival
+    assert paths["steps.csv"].read_text().splitlines()[0].split(",") == StepRecord.columns()
+    assert paths["tokens.csv"].read_text().splitlines() == [
+        "request_id,index,time_s,num_tokens", f"w,0,{1 / 3!r},1", "a,0,0.5,1", "a,1,0.7,1", "a,2,0.9,1"]
+    assert (paths["config.yaml"]).read_text() == "seed: 0\n"
+
+
+def test_round_trip(tmp_path):
+    paths = _write(tmp_path, "run")
+    r = read_requests_csv(paths["requests.csv"])
+    assert list(r["id"]) == ["w", "b", "a"] and list(r["tenant"]) == ["", "", "t,1"]
+    assert list(r["status"]) == ["FINISHED", "REJECTED", "FINISHED"] and list(r["warmup"]) == [True, False, False]
+    assert r["first_token_s"][0] == 1 / 3 and np.isnan(r["first_token_s"][1]) and r["finish_s"][2] == 0.9
+    assert list(r["prompt_tokens"]) == [8, 9000, 40] and r["prompt_tokens"].dtype == np.int64
+    assert r["ttft_s"][2] == pytest.approx(0.4) and r["tpot_s"][2] == pytest.approx(0.2)
+    assert r["max_stall_s"][2] == pytest.approx(0.2) and np.isnan(r["e2e_s"][1])
+    assert r["reason"][1].startswith("prompt of 9000 tokens") and r["reason"][1].endswith('"4096", rejected')
+    s = read_steps_csv(paths["steps.csv"])
+    assert list(s["attention_pairs"]) == [820, 0] and list(s["duration_s"]) == [0.3, 0.2]
+    assert list(s["num_preempted"]) == [0, 1]
+    t = read_tokens_csv(paths["tokens.csv"])
+    assert list(t["request_id"]) == ["w", "a", "a", "a"] and list(t["index"]) == [0, 0, 1, 2]
+    m = read_metrics(paths["metrics.json"])
+    assert m["num_requests"] == 2 and m["num_warmup"] == 1 and m["tpot_s"]["count"] == 1
+
+
+def test_equal_runs_are_byte_identical(tmp_path):
+    a = _write(tmp_path, "a")
+    b = _write(tmp_path, "b", list(reversed(_states())))  # arrival order decides the row order
+    for name in ("requests.csv", "tokens.csv", "steps.csv", "metrics.json"):
+        assert a[name].read_bytes() == b[name].read_bytes()
+
+
+def test_metrics_json_sorted_and_null_for_nan(tmp_path):
+    p = write_run(tmp_path, [], [], {"z": float("nan"), "a": {"y": np.float64(1.5), "b": [np.int64(2), float("inf")]},
+                                     "status": Status.FINISHED})
+    text = p["metrics.json"].read_text()
+    assert text == json.dumps({"a": {"b": [2, None], "y": 1.5}, "status": "FINISHED", "z": None}, indent=2,
+                              sort_keys=True) + "\n"
+    assert read_requests_csv(p["requests.csv"])["id"].size == 0
+
+
+def test_extra_file_names_stay_inside(tmp_path):
+    with pytest.raises(ValueError, match="extra file"):
+        write_run(tmp_path, [], [], {}, extra_files={"../x.txt": "no"})
+    with pytest.raises(ValueError, match="extra file"):
+        write_run(tmp_path, [], [], {}, extra_files={"metrics.json": "no"})
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_float_cells_round_trip_exactly(x):
+    assert float(fmt(x)) == x
