@@ -19,12 +19,12 @@ class Chunk:
     @classmethod
     def next(cls, state: RequestState, num_tokens: int) -> Chunk:
         """The next ``num_tokens`` uncomputed tokens of ``state`` (flags fixed at build time)."""
-        if not 0 < num_tokens <= state.num_remaining_tokens:
-            raise ValueError(f"request {state.id}: chunk of {num_tokens} tokens, "
-                             f"{state.num_remaining_tokens} remain")
         start = state.num_computed_tokens
-        samples = start + num_tokens == state.num_tokens
-        return cls(state, start, num_tokens, samples, samples and num_tokens == 1 and bool(state.output_token_ids))
+        total = state.request.prompt_len + len(state.output_token_ids)
+        if not 0 < num_tokens <= total - start:
+            raise ValueError(f"request {state.id}: chunk of {num_tokens} tokens, {total - start} remain")
+        samples = start + num_tokens == total
+        return cls(state, start, num_tokens, samples, samples and num_tokens == 1 and total > state.request.prompt_len)
 
     @property
     def end(self) -> int:

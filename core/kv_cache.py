@@ -106,7 +106,7 @@ class KVCacheManager:
     def allocate(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
         """Grow a running request's table to hold ``num_new_tokens`` more tokens. All-or-nothing."""
         table = self._tables[state.id]
-        need = self.blocks_for(state.num_computed_tokens + num_new_tokens) - len(table)
+        need = -(-(state.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         if need <= 0:
             return True
         if need > self.num_free_blocks:

@@ -139,10 +139,12 @@ class Replica:
         sampled = iter(tokens)
         finished = False
         eos = self.limits.eos_token_ids
+        cached_upto = self.kv.block_size  # chunks ending before a block boundary publish nothing
         for ch in batch.chunks:
             state = ch.state
             state.num_computed_tokens = ch.end
-            self.kv.register_computed(state, end_s)
+            if ch.start < len(state.block_hashes) * cached_upto:  # decodes past the prompt skip the call
+                self.kv.register_computed(state, end_s)
             if not ch.samples:
                 continue
             tok = next(sampled)
@@ -186,12 +188,13 @@ class Replica:
         if f.num_seqs > self.limits.max_num_seqs:
             raise RuntimeError(f"{name}: {f.num_seqs} sequences > max_num_seqs {self.limits.max_num_seqs}")
         seen = set()
+        tables, bs, running = self.kv._tables, self.kv.block_size, Status.RUNNING
         for ch in batch.chunks:
             state = ch.state
-            if state.status is not Status.RUNNING or state.id in seen:
+            if state.status is not running or state.id in seen:
                 raise RuntimeError(f"{name}: request {state.id} is {state.status.name} or scheduled twice")
             seen.add(state.id)
-            if len(self.kv.block_table(state.id)) * self.kv.block_size < ch.end:
+            if len(tables[state.id]) * bs < ch.end:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end} without KV blocks")
 
     def view(self) -> ReplicaView:

@@ -92,7 +92,7 @@ class RequestState:
     @property
     def num_remaining_tokens(self) -> int:
         """Tokens still to compute before the next token can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.request.prompt_len + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -101,4 +101,5 @@ class RequestState:
     @property
     def in_prefill(self) -> bool:
         """True until the prompt (plus any outputs to recompute) is in the cache."""
-        return self.num_remaining_tokens > 1 or not self.output_token_ids
+        out = self.output_token_ids
+        return not out or self.request.prompt_len + len(out) - self.num_computed_tokens > 1

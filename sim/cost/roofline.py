@@ -71,6 +71,7 @@ class RooflineCostModel:
         self._pair_flops = ar.attention_flops_per_pair(m) / tp
         self._kv_bytes = ar.kv_bytes_per_token(m, kv_bits) * kv_heads / m.num_kv_heads
         self._elem_bytes = ar.elementwise_bytes_per_token(m, tp)
+        self._act_bytes = ar.act_bytes(m)
         ring = 2 * (tp - 1) / tp  # bytes each device sends per byte reduced, ring all-reduce
         self._allreduce_s_per_token = (ALLREDUCES_PER_LAYER * m.num_layers * ring * m.hidden_size * ar.act_bytes(m)
                                        / hw.interconnect_bw) if tp > 1 else 0.0
@@ -93,18 +94,24 @@ class RooflineCostModel:
         """Weights a step with tokens streams per device: decoder linear layers + LM head (not the embedding table)."""
         return self._linear_bytes + self._head_bytes
 
+    GROUPS = ("linear", "attention_prefill", "attention_decode", "lm_head", "elementwise")
+
+    def _groups(self, f: StepFeatures) -> tuple[tuple[float, float], ...]:
+        """(FLOPs, bytes) per op group, in GROUPS order, per device. Plain tuples: this runs once per step."""
+        t = f.num_batched_tokens
+        return (
+            (self._linear_flops * t, self._linear_bytes),
+            (self._pair_flops * f.attention_pairs, self._kv_bytes * f.prefill_kv_tokens),
+            (self._pair_flops * f.kv_tokens_read, self._kv_bytes * f.kv_tokens_read),
+            (self._head_flops * f.num_seqs, self._head_bytes + self._logit_bytes * f.num_seqs),
+            (self._elem_bytes * t / self._act_bytes, self._elem_bytes * t),
+        )
+
     def ops(self, f: StepFeatures) -> dict[str, OpCost]:
         """FLOPs and bytes of each op group of the step, per device."""
-        t = f.num_batched_tokens
-        if t == 0:
+        if f.num_batched_tokens == 0:
             return {}
-        return {
-            "linear": OpCost(self._linear_flops * t, self._linear_bytes),
-            "attention_prefill": OpCost(self._pair_flops * f.attention_pairs, self._kv_bytes * f.prefill_kv_tokens),
-            "attention_decode": OpCost(self._pair_flops * f.kv_tokens_read, self._kv_bytes * f.kv_tokens_read),
-            "lm_head": OpCost(self._head_flops * f.num_seqs, self._head_bytes + self._logit_bytes * f.num_seqs),
-            "elementwise": OpCost(self._elem_bytes * t / ar.act_bytes(self.model), self._elem_bytes * t),
-        }
+        return {name: OpCost(*fb) for name, fb in zip(self.GROUPS, self._groups(f), strict=True)}
 
     def op_time(self, c: OpCost) -> float:
         return max(c.flops / self._flop_rate, c.bytes / self._byte_rate)
@@ -117,4 +124,9 @@ class RooflineCostModel:
         return times
 
     def step_time(self, f: StepFeatures) -> float:
-        return sum(self.breakdown(f).values())
+        """Same sum as ``breakdown`` without building dicts (the simulator's hot path)."""
+        if f.num_batched_tokens == 0:
+            return self.overhead_s
+        fr, br = self._flop_rate, self._byte_rate
+        compute = sum(max(fl / fr, by / br) for fl, by in self._groups(f))
+        return compute + self._allreduce_s_per_token * f.num_batched_tokens + self.overhead_s

@@ -1,0 +1,149 @@
+"""Wiring: turn a composed Hydra config into replicas, executors, a router and a workload, then run.
+
+Plugins are instantiated once per run (one scheduler and eviction policy per replica), never per step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from core.interfaces import Executor
+from core.kv_cache import KVCacheManager
+from core.replica import Replica, SchedulerLimits
+from core.specs import HardwareSpec, ModelSpec
+from sim.cost import arithmetic
+from sim.simulator import RunResult, Simulation
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+BACKENDS = ("sim", "engine")
+LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")
+
+
+def model_spec(cfg: DictConfig) -> ModelSpec:
+    """The model group, or the config.json of ``model.path`` when a checkpoint directory is given."""
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    if m.get("path"):
+        spec = ModelSpec.from_pretrained(m["path"])
+        return ModelSpec.from_mapping({**spec.to_dict(), "dtype": m.get("dtype") or spec.dtype})
+    return ModelSpec.from_mapping(m)
+
+
+def hardware_spec(cfg: DictConfig) -> HardwareSpec:
+    return HardwareSpec.from_mapping(OmegaConf.to_container(cfg.hardware, resolve=True))
+
+
+def kv_bits(cfg: DictConfig) -> int:
+    """KV element width both backends assume: 8 with an int8 KV cache, else 16 (the model dtype's width)."""
+    if cfg.backend.name == "engine":
+        return 8 if cfg.backend.get("kv_dtype") == "int8" else 16
+    return int(cfg.cost_model.get("kv_bits", 16))
+
+
+def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
+    """``kv.num_blocks``, else ``kv.memory_bytes`` worth of blocks, else what the hardware's memory holds
+    after the weights. Both backends size the pool with this one function, so they see the same pool."""
+    kv = cfg.kv
+    if int(kv.block_size) < 1:
+        raise ValueError(f"kv.block_size must be >= 1, got {kv.block_size}")
+    if kv.num_blocks is not None:
+        return int(kv.num_blocks)
+    per_block = arithmetic.kv_bytes_per_token(spec, kv_bits(cfg)) * kv.block_size
+    budget = kv.memory_bytes
+    if budget is None:
+        budget = hw.mem_bytes * kv.memory_fraction - arithmetic.weight_bytes(spec)
+        if budget <= 0:
+            raise ValueError(f"model {spec.name} ({arithmetic.weight_bytes(spec) / 1e9:.1f} GB of weights) does not fit "
+                             f"hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"kv.memory_bytes={budget:.3g} holds no block of {per_block:.3g} bytes")
+    return blocks
+
+
+def _without(node: DictConfig, keys) -> DictConfig:
+    d = OmegaConf.to_container(node, resolve=True)
+    for k in keys:
+        d.pop(k, None)
+    return OmegaConf.create(d)
+
+
+def _instantiate(node: DictConfig, group: str, **kwargs) -> Any:
+    if "_target_" not in node:
+        raise ValueError(f"{group} config has no _target_; choose one of conf/{group}/*.yaml or set {group}._target_")
+    try:
+        return instantiate(node, **kwargs)
+    except Exception as e:  # Hydra wraps import errors; restate with the key to fix
+        raise ValueError(f"cannot instantiate {group}._target_={node._target_!r}: {e}") from e
+
+
+def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Replica]:
+    sched = cfg.scheduler
+    missing = [k for k in LIMIT_KEYS if k not in sched]
+    if missing:
+        raise ValueError(f"scheduler config lacks {missing}")
+    limits = SchedulerLimits(max_num_batched_tokens=int(sched.max_num_batched_tokens),
+                             max_num_seqs=int(sched.max_num_seqs), max_model_len=spec.max_model_len,
+                             request_timeout_s=cfg.request_timeout_s)
+    n = int(cfg.replicas)
+    if n < 1:
+        raise ValueError(f"replicas must be >= 1, got {n}")
+    sched_node = _without(sched, LIMIT_KEYS)
+    return [Replica(i, _instantiate(sched_node, "scheduler"),
+                    KVCacheManager(num_blocks, int(cfg.kv.block_size), _instantiate(cfg.eviction, "eviction"),
+                                   bool(cfg.kv.prefix_caching)), limits)
+            for i in range(n)]
+
+
+def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -> list[Executor]:
+    name = cfg.backend.name
+    if name == "sim":
+        from sim.executor import CostModelExecutor
+
+        cost = _instantiate(cfg.cost_model, "cost_model")
+        return [CostModelExecutor(cost) for _ in replicas]
+    if name == "engine":
+        from engine.executor import build_engine_executors
+
+        return build_engine_executors(spec, cfg.backend, [r.kv for r in replicas], seed=int(cfg.seed))
+    raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
+
+
+def run(cfg: DictConfig, out_dir: str | Path) -> dict:
+    """Run one experiment and write the DESIGN section 8 files into ``out_dir``; returns metrics."""
+    from core.metrics import summarize
+    from core.output import write_run
+    from core.workload import build_workload
+
+    spec = model_spec(cfg)
+    hw = hardware_spec(cfg)
+    replicas = build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hw))
+    executors = build_executors(cfg, spec, replicas)
+    router = _instantiate(cfg.router, "router")
+    workload = build_workload(cfg.workload)
+    result: RunResult = Simulation(replicas, executors, router, workload,
+                                   progress=bool(cfg.output.progress)).run()
+    metrics = summarize(result.states, **metrics_options(cfg, spec))
+    metrics.update(backend=cfg.backend.name, wall_s=result.wall_s, num_steps=len(result.steps),
+                   sim_s_per_wall_s=result.end_s / result.wall_s if result.wall_s > 0 else None)
+    out = Path(out_dir)
+    write_run(out, result.states, result.steps, metrics)
+    if cfg.output.plots:
+        from experiments import plots
+
+        plots.plot_run(out)
+    return metrics
+
+
+def metrics_options(cfg: DictConfig, spec: ModelSpec) -> dict[str, Any]:
+    """summarize() keyword arguments from the ``metrics`` and ``slo`` sections. The prefix work formula's
+    coefficients default to the model's FLOPs (per token, per attention pair)."""
+    from core.metrics import prefix_cost_coeffs
+
+    m = cfg.metrics
+    cost = tuple(m.prefix_cost) if m.prefix_cost is not None else prefix_cost_coeffs(spec)
+    return dict(slo=OmegaConf.to_container(cfg.slo, resolve=True), percentile_method=m.percentile_method,
+                prefix_cost=cost, prompt_len_edges=list(m.prompt_len_edges))
