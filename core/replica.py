@@ -51,6 +51,9 @@ class SchedulerView:
         self.limits = replica.limits
         self.kv = replica.kv
         self.preempted: list[str] = []
+        # A scheduler that cannot place a waiting request even on an idle replica names it here; the replica
+        # then rejects it (default: the head of the queue) instead of idling forever.
+        self.blocked: RequestState | None = None
 
     def lookup(self, state: RequestState) -> int:
         """Tokens of a waiting request the prefix cache would skip (no side effects)."""
@@ -64,7 +67,8 @@ class SchedulerView:
         self.waiting.remove(state)
         self.running.append(state)
         if state.first_scheduled_s is None:
-            state.first_scheduled_s = self.now
+            # max(): SimPy's float clock can land an ulp before an arrival time it was asked to reach
+            state.first_scheduled_s = max(self.now, state.request.arrival_s)
             state.num_cached_tokens = state.num_computed_tokens
         state.status = Status.RUNNING
         return True
@@ -127,10 +131,10 @@ class Replica:
         batch.preempted = view.preempted
         self._validate(batch)
         if batch.empty and not self.running and self.waiting:
-            # Nothing runs and nothing will free memory: the head request can never be scheduled.
-            head = self.waiting[0]
-            self.waiting.popleft()
-            self._end(head, Status.REJECTED, now,
+            # Nothing runs and nothing will free memory: the blocked request can never be scheduled.
+            stuck = view.blocked if view.blocked in self.waiting else self.waiting[0]
+            self.waiting.remove(stuck)
+            self._end(stuck, Status.REJECTED, now,
                       f"scheduler {type(self.scheduler).__name__} could not schedule it on an idle replica")
         return batch
 

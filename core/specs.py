@@ -69,7 +69,20 @@ class ModelSpec:
         if archs[0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {sorted(ARCHITECTURES)}")
         arch = ARCHITECTURES[archs[0]]
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
         heads = hf["num_attention_heads"]
+        # transformers >= 5 keeps theta and scaling under rope_parameters; older files use top-level keys
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+            scaling = dict(rope)
+        max_len = int(hf.get("max_position_embeddings", 4096))
+        window = hf.get("sliding_window")
+        if window and hf.get("use_sliding_window", arch == "mistral"):
+            max_len = min(max_len, int(window))  # no sliding-window attention here: stay inside the window
         return cls(
             name=name or hf.get("_name_or_path", "") or arch,
             architecture=arch,
@@ -81,10 +94,10 @@ class ModelSpec:
             intermediate_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_model_len=int(hf.get("max_position_embeddings", 4096)),
+            max_model_len=max_len,
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
             path=path,
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),

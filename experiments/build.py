@@ -108,7 +108,8 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
     if name == "engine":
         from engine.executor import build_engine_executors
 
-        return build_engine_executors(spec, cfg.backend, [r.kv for r in replicas], seed=int(cfg.seed))
+        backend = OmegaConf.to_container(cfg.backend, resolve=True)
+        return build_engine_executors(spec, backend, [r.kv for r in replicas], seed=int(cfg.seed))
     raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
 
 

@@ -114,6 +114,9 @@ class Simulation:
                 self.batches.append(batch)
 
     def _on_terminal(self, state: RequestState, now: float) -> None:
+        release = getattr(self.executors[state.replica], "release", None)
+        if release is not None:  # the engine drops per-request buffers
+            release(state.id)
         if self._bar is not None:
             self._bar.update(1)
         nxt = self.workload.on_finish(state, now)

@@ -2,28 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from core.batch import Chunk
 from core.replica import SchedulerView
 from core.request import RequestState, Status
 
+Victim = Callable[[SchedulerView], RequestState]
 
-def make_room(view: SchedulerView, state: RequestState, n: int, chunks: dict[str, Chunk]) -> bool:
-    """Allocate ``n`` tokens for a running request, preempting the newest running requests until it fits
-    (recompute preemption, newest first as in vLLM). A victim already in ``chunks`` loses its chunk.
-    Returns False if ``state`` itself had to be preempted."""
+
+def newest(view: SchedulerView) -> RequestState:
+    """Default preemption victim: the most recently admitted running request (vLLM)."""
+    return view.running[-1]
+
+
+def make_room(view: SchedulerView, state: RequestState, n: int, chunks: dict[str, Chunk],
+              victim: Victim = newest) -> bool:
+    """Allocate ``n`` tokens for a running request, preempting running requests chosen by ``victim``
+    (newest first by default, as in vLLM) until it fits (recompute preemption). A victim already in
+    ``chunks`` loses its chunk. Returns False if ``state`` itself had to be preempted."""
     while not view.allocate(state, n):
-        victim = view.running[-1]
-        view.preempt(victim)
-        chunks.pop(victim.id, None)
-        if victim is state:
+        v = victim(view)
+        view.preempt(v)
+        chunks.pop(v.id, None)
+        if v is state:
             return False
     return True
 
 
 def schedule_running(view: SchedulerView, order: list[RequestState], chunks: dict[str, Chunk], budget: int,
-                     chunked: bool = True) -> int:
+                     chunked: bool = True, victim: Victim = newest) -> int:
     """Give each running request in ``order`` its next chunk while budget lasts. Without ``chunked``, a
     request whose remaining tokens do not fit the budget is skipped this step. Returns the budget left."""
     for state in order:
@@ -34,7 +42,7 @@ def schedule_running(view: SchedulerView, order: list[RequestState], chunks: dic
         n = min(state.num_remaining_tokens, budget)
         if not chunked and n < state.num_remaining_tokens:
             continue
-        if make_room(view, state, n, chunks):
+        if make_room(view, state, n, chunks, victim):
             chunks[state.id] = Chunk.next(state, n)
             budget -= n
     return budget
@@ -46,17 +54,26 @@ def fcfs(view: SchedulerView) -> Iterator[RequestState]:
         yield view.waiting[0]
 
 
+def lifetime_tokens(state: RequestState) -> int:
+    """KV tokens a request can ever hold: prompt + all outputs but the last (which is never fed back)."""
+    return state.request.prompt_len + state.request.max_new_tokens - 1
+
+
 def admit(view: SchedulerView, queue: Iterable[RequestState], chunks: dict[str, Chunk], budget: int,
-          chunked: bool = True) -> int:
+          chunked: bool = True, reserve: bool = False) -> int:
     """Admit requests from ``queue`` (waiting requests in the order to try) while the token budget,
     ``max_num_seqs`` and KV allow. With ``chunked`` the last one may get a partial prefill; without, a
-    prefill that does not fit whole stops admission (head-of-line order is kept). Returns the budget left."""
+    prefill that does not fit whole stops admission (head-of-line order is kept). With ``reserve`` the
+    KV for the request's whole lifetime is allocated at admission (Orca / FasterTransformer), so it can
+    never be preempted later. Returns the budget left."""
     for state in queue:
         if budget <= 0 or len(view.running) >= view.limits.max_num_seqs:
             break
-        need = state.num_tokens - view.lookup(state)
+        cached = view.lookup(state)
+        need = state.num_tokens - cached
         n = min(need, budget)
-        if (not chunked and n < need) or not view.admit(state, n):
+        kv_tokens = max(n, lifetime_tokens(state) - cached) if reserve else n
+        if (not chunked and n < need) or not view.admit(state, kv_tokens):
             break
         chunks[state.id] = Chunk.next(state, n)
         budget -= n

@@ -15,8 +15,9 @@ class SarathiScheduler:
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}
-        decodes = [s for s in view.running if not s.in_prefill]
-        prefills = [s for s in view.running if s.in_prefill]
+        decodes, prefills = [], []
+        for s in view.running:
+            (prefills if s.in_prefill else decodes).append(s)
         budget = schedule_running(view, decodes + prefills, chunks, view.limits.max_num_batched_tokens)
         admit(view, fcfs(view), chunks, budget)
         return Batch(list(chunks.values()))

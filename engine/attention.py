@@ -1,0 +1,86 @@
+"""Paged attention for one flattened varlen step: the step's metadata, the per-layer KV cache, and its sizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.specs import ModelSpec
+
+KV_DTYPES = ("auto", "int8")
+INT8_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head), as kernels.kv_store writes them
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go and what they attend to (S sequences, T tokens, all on the model's device)."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token's K/V
+    query_start_loc: torch.Tensor  # int32 [S + 1]: offsets of each sequence's tokens in the flat batch
+    seq_lens: torch.Tensor  # int32 [S]: context length including this step's tokens
+    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVCache:
+    """One layer's paged K/V: [num_blocks, block_size, Hkv, D]; int8 caches carry per-slot scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # float32 [num_blocks, block_size, Hkv] when int8
+    v_scale: torch.Tensor | None = None
+
+
+def paged_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store this step's k, v [T, Hkv, D] in the cache, then attend q [T, H, D] over the cached context."""
+    kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    return kernels.attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                             cache.k_scale, cache.v_scale)
+
+
+def _check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {list(KV_DTYPES)}")
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Bytes one block takes over all layers (K and V, plus int8 scales)."""
+    _check_kv_dtype(kv_dtype)
+    slots = block_size * spec.num_kv_heads
+    if kv_dtype == "int8":
+        per_layer = slots * (spec.head_dim + INT8_SCALE_DTYPE.itemsize)
+    else:
+        per_layer = slots * spec.head_dim * dtype.itemsize
+    return 2 * spec.num_layers * per_layer
+
+
+def num_blocks_for_memory(spec: ModelSpec, block_size: int, bytes_budget: float, kv_dtype: str = "auto",
+                          dtype: torch.dtype | None = None) -> int:
+    """How many blocks fit in ``bytes_budget`` bytes (dtype defaults to the spec's)."""
+    dtype = dtype or getattr(torch, spec.dtype)
+    per_block = kv_bytes_per_block(spec, block_size, dtype, kv_dtype)
+    n = int(bytes_budget // per_block)
+    if n < 1:
+        raise ValueError(f"kv memory budget {bytes_budget:.0f} B holds no block of {per_block} B "
+                         f"(block_size={block_size}, kv_dtype={kv_dtype})")
+    return n
+
+
+def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str, kv_dtype: str = "auto") -> list[KVCache]:
+    """One KVCache per layer, uninitialised: a slot is always written before attention reads it."""
+    _check_kv_dtype(kv_dtype)
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    int8 = kv_dtype == "int8"
+    caches = []
+    for _ in range(spec.num_layers):
+        k, v = (torch.empty(shape, dtype=torch.int8 if int8 else dtype, device=device) for _ in range(2))
+        scales = [torch.empty(shape[:3], dtype=INT8_SCALE_DTYPE, device=device) for _ in range(2)] if int8 else []
+        caches.append(KVCache(k, v, *scales))
+    return caches

@@ -1,0 +1,120 @@
+"""The engine's core.interfaces.Executor: runs the model on a batch and reports the measured step time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from core.batch import Batch
+from core.interfaces import StepOutput
+from core.specs import ModelSpec
+from engine.attention import allocate_kv_caches
+from engine.loader import build_model
+from engine.model import LlamaForCausalLM
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SamplingParams
+from kernels.ops import get_kernels
+
+if TYPE_CHECKING:
+    from core.kv_cache import KVCacheManager
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class EngineExecutor:
+    """execute(batch) -> StepOutput(tokens, duration_s): wall time of input prep + forward + sampling.
+
+    Block tables come from the replica's KVCacheManager (the scheduler allocated them before the step).
+    """
+
+    wall_clock = True  # the driver adds the measured schedule() time: a step runs from one schedule() to the next
+
+    def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager) -> None:
+        if kv_manager.block_size != runner.block_size:
+            raise ValueError(f"KV manager block_size={kv_manager.block_size} != runner block_size="
+                             f"{runner.block_size}")
+        if kv_manager.num_blocks > runner.kv_caches[0].k.shape[0]:
+            raise ValueError(f"KV manager has {kv_manager.num_blocks} blocks, the KV cache tensors only "
+                             f"{runner.kv_caches[0].k.shape[0]}")
+        self.runner, self.kv_manager = runner, kv_manager
+
+    def execute(self, batch: Batch) -> StepOutput:
+        _sync(self.runner.device)
+        t0 = time.perf_counter()
+        tokens = self.runner.execute(batch, self.kv_manager.block_table)
+        _sync(self.runner.device)
+        return StepOutput(tokens, time.perf_counter() - t0)
+
+    def warmup(self, steps: int = 2, prompt_len: int = 32) -> None:
+        """Untimed prefill + decode passes (allocator, kernel and thread-pool warm-up) before a measured run.
+        Uses the first blocks of the KV tensors, which hold nothing yet; the KV manager is not touched."""
+        from core.batch import Chunk
+        from core.request import Request, RequestState
+
+        bs = self.runner.block_size
+        n = min(prompt_len, self.runner.spec.max_model_len - steps - 1, self.kv_manager.num_blocks * bs - steps - 1)
+        if steps <= 0 or n < 1:
+            return
+        state = RequestState(Request("__warmup__", 0.0, n, steps, prompt_token_ids=tuple(range(n))))
+        table = list(range(self.kv_manager.blocks_for(n + steps)))
+        for _ in range(steps):
+            chunk = Chunk.next(state, state.num_remaining_tokens)
+            state.output_token_ids.extend(self.runner.execute(Batch([chunk]), lambda rid: table))
+            state.num_computed_tokens = chunk.end
+        self.release(state.id)
+
+    def release(self, request_id: str) -> None:
+        """Call when a request reaches a terminal status (drops its cached prompt tokens)."""
+        self.runner.release(request_id)
+
+
+def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_managers: list[KVCacheManager],
+                           seed: int = 0) -> list[EngineExecutor]:
+    """One executor per replica from a ``conf/backend/engine.yaml`` section; the replicas share one model."""
+    allowed = {"name", "kernels", "device", "dtype", "quant", "quant_group_size", "kv_dtype", "temperature", "top_p",
+               "top_k", "warmup_steps", "num_threads"}
+    unknown = sorted(set(backend) - allowed)
+    if unknown:
+        raise ValueError(f"backend: unknown keys {unknown}; allowed: {sorted(allowed)}")
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, None: None}
+    if backend.get("dtype") not in dtypes:
+        raise ValueError(f"backend.dtype={backend.get('dtype')!r}; allowed: {list(dtypes)}")
+    if backend.get("num_threads"):
+        torch.set_num_threads(int(backend["num_threads"]))
+    sampling = SamplingParams(float(backend.get("temperature", 0.0)), float(backend.get("top_p", 1.0)),
+                              int(backend.get("top_k", 0)))
+    model, executors = None, []
+    for kv in kv_managers:
+        ex = build_engine_executor(spec, kv_manager=kv, kernels=backend.get("kernels", "torch"),
+                                   device=backend.get("device", "cpu"), dtype=dtypes[backend.get("dtype")],
+                                   quant=backend.get("quant"), group_size=int(backend.get("quant_group_size", 128)),
+                                   kv_dtype=backend.get("kv_dtype", "auto"), seed=seed, sampling=sampling, model=model)
+        model = ex.runner.model
+        ex.warmup(int(backend.get("warmup_steps", 2)))
+        executors.append(ex)
+    return executors
+
+
+def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, num_blocks: int | None = None,
+                          block_size: int | None = None, kernels: str = "torch", device: str = "cpu",
+                          dtype: torch.dtype | None = None, quant: str | None = None, group_size: int = 128,
+                          kv_dtype: str = "auto", seed: int = 0, sampling: SamplingParams | None = None,
+                          model: LlamaForCausalLM | None = None) -> EngineExecutor:
+    """One replica's executor. Pass ``model`` to share one set of weights between replicas (each executor gets
+    its own KV cache tensors); otherwise the model is loaded from ``spec.path`` or random-initialised from
+    ``seed``. ``num_blocks`` / ``block_size`` default to the KV manager's."""
+    num_blocks = num_blocks or kv_manager.num_blocks
+    block_size = block_size or kv_manager.block_size
+    kernel_set = get_kernels(kernels)
+    if model is None:
+        model = build_model(spec, seed=seed, dtype=dtype, device=device, quant=quant, group_size=group_size)
+    caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)
+    sampler = Sampler(sampling, seed=seed, device=model.device)
+    runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)
+    return EngineExecutor(runner, kv_manager)

@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over one flattened varlen batch and a paged KV cache.
+
+Parameter names follow Hugging Face's except for the fused projections: ``self_attn.qkv_proj`` holds q, k, v
+stacked along the output dim and ``mlp.gate_up_proj`` holds gate then up (the loader concatenates). Every op goes
+through a ``kernels.ops.KernelSet`` passed to ``forward``, so the torch / Triton switch is one name and one model
+can be shared by executors using either backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.specs import ModelSpec
+from engine.attention import AttentionMetadata, KVCache, paged_attention
+from kernels.ops import KernelSet
+from kernels.rope import rope_cos_sin
+from kernels.w4a16 import QuantizedWeight, quantize_w4
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). ``quantize`` swaps W for a 4-bit QuantizedWeight; forward then runs the W4A16 kernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight: nn.Parameter | None = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.qweight: QuantizedWeight | None = None
+
+    def quantize(self, group_size: int, zero_point: bool = True) -> None:
+        self.qweight = quantize_w4(self.weight.data, group_size, zero_point)
+        self.weight = None  # free the 16-bit copy
+
+    def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        if self.qweight is not None:
+            return kernels.w4a16_linear(x, self.qweight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: KernelSet):
+        """Returns (norm(x + residual), x + residual); the first layer has no residual yet."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps), x
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, spec.attention_bias, dtype, device)
+        self.o_proj = Linear(q_size, spec.hidden_size, False, dtype, device)
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, x, positions, meta: AttentionMetadata, cache: KVCache, cos_sin, kernels: KernelSet):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x, kernels).split(self.split, dim=-1)
+        q, k = kernels.rope(q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+                            positions, cos_sin)
+        o = paged_attention(kernels, q, k, v.view(T, self.num_kv_heads, self.head_dim), cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, -1), kernels)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, kernels)), kernels)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(spec, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = MLP(spec, dtype, device)
+
+    def forward(self, h, residual, positions, meta, cache, cos_sin, kernels):
+        x, residual = self.input_layernorm(h, residual, kernels)
+        h = self.self_attn(x, positions, meta, cache, cos_sin, kernels)
+        x, residual = self.post_attention_layernorm(h, residual, kernels)
+        return self.mlp(x, kernels), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. Build empty here; fill with ``engine.loader`` (checkpoint or seeded random weights)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype or getattr(torch, spec.dtype)
+        self.model = Backbone(spec, self.dtype, device)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False,
+                                                                     self.dtype, device)
+        # cos/sin rounded to the model dtype, as HF casts them before rotating
+        self.register_buffer("cos_sin", rope_cos_sin(spec.head_dim, spec.max_model_len, spec.rope_theta,
+                                                     spec.rope_scaling, self.dtype, device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cos_sin.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache], kernels: KernelSet) -> torch.Tensor:
+        """input_ids, positions int64 [T] -> final hidden states [T, hidden]; writes this step's K/V."""
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, positions, meta, cache, self.cos_sin, kernels)
+        return self.model.norm(h, residual, kernels)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def quantize(self, group_size: int = 128, zero_point: bool = True) -> None:
+        """W4A16: replace every projection in the decoder layers by a group-wise 4-bit weight."""
+        for module in self.model.layers.modules():
+            if isinstance(module, Linear):
+                module.quantize(group_size, zero_point)

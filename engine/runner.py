@@ -1,0 +1,147 @@
+"""Turns a core.Batch into one flattened varlen forward step and samples one token per sampling chunk.
+
+Inputs are built with a fixed number of array ops per step (Python only touches chunks and block lists,
+never single tokens), so input preparation stays a small share of the step even for tiny models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.batch import Batch
+from core.prompt import materialize
+from core.request import RequestState
+from core.specs import ModelSpec
+from engine.attention import AttentionMetadata, KVCache
+from engine.model import LlamaForCausalLM
+from engine.sampler import Sampler
+from kernels.ops import KernelSet, get_kernels
+
+PROMPT_CACHE_PRUNE_MIN = 1024  # prompt-cache size at which finished requests are swept out
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # int64 [n]: last token of each sampling chunk
+
+
+class ModelRunner:
+    """Runs batches on one model with one set of KV caches (one replica)."""
+
+    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, kernels: KernelSet | str, kv_caches: list[KVCache],
+                 block_size: int, device: torch.device | str, sampler: Sampler | None = None,
+                 seed: int = 0) -> None:
+        """``seed`` is the content seed for prompts made from hash ids / lengths (core.prompt.materialize)."""
+        if len(kv_caches) != spec.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, model has {spec.num_layers}")
+        if kv_caches[0].k.shape[1] != block_size:
+            raise ValueError(f"block_size={block_size} but the KV cache blocks hold {kv_caches[0].k.shape[1]} tokens")
+        self.model, self.spec, self.kv_caches = model, spec, kv_caches
+        self.kernels = get_kernels(kernels) if isinstance(kernels, str) else kernels
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = sampler or Sampler(seed=seed, device=self.device)
+        self.seed = seed
+        self.max_positions = model.cos_sin.shape[0]
+        self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
+        self._prune_at = PROMPT_CACHE_PRUNE_MIN
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's materialised prompt."""
+        self._prompts.pop(request_id, None)
+
+    def _prompt(self, state: RequestState) -> list[int]:
+        entry = self._prompts.get(state.id)
+        if entry is not None and entry[0] is state:
+            return entry[1]
+        prompt = materialize(state.request, self.spec.vocab_size, self.seed)
+        if max(prompt) >= self.spec.vocab_size or min(prompt) < 0:
+            raise ValueError(f"request {state.id}: prompt token ids must be in [0, {self.spec.vocab_size})")
+        if len(self._prompts) >= self._prune_at:  # safety net for drivers that never call release()
+            for rid in [k for k, e in self._prompts.items() if e[0].status.terminal]:
+                del self._prompts[rid]
+            self._prune_at = max(PROMPT_CACHE_PRUNE_MIN, 2 * len(self._prompts))
+        self._prompts[state.id] = (state, prompt)
+        return prompt
+
+    def prepare(self, batch: Batch, block_table: Callable[[str], list[int]]) -> StepInputs:
+        """Flatten ``batch``: token ids, positions, slot mapping, query offsets, context lengths, block tables."""
+        bs, prompts = self.block_size, self._prompts
+        ids: list[int] = []
+        flat_blocks: list[int] = []
+        starts, lens, num_blocks, logits_rows = [], [], [], []
+        offset = 0
+        for ch in batch.chunks:
+            state, s, e = ch.state, ch.start, ch.end
+            rid = state.id
+            entry = prompts.get(rid)
+            prompt = entry[1] if entry is not None and entry[0] is state else self._prompt(state)
+            n_prompt = len(prompt)
+            if e <= n_prompt:
+                ids += prompt[s:e]
+            elif s >= n_prompt:
+                ids += state.output_token_ids[s - n_prompt:e - n_prompt]
+            else:
+                ids += prompt[s:]
+                ids += state.output_token_ids[:e - n_prompt]
+            nb = -(-e // bs)
+            table = block_table(rid)
+            if len(table) < nb:
+                raise ValueError(f"request {rid}: {e} tokens need {nb} blocks, its block table has {len(table)}")
+            flat_blocks += table[:nb]
+            starts.append(s)
+            lens.append(ch.num_tokens)
+            num_blocks.append(nb)
+            offset += ch.num_tokens
+            if ch.samples:
+                logits_rows.append(offset - 1)
+        if len(ids) != offset:
+            raise ValueError(f"batch asks for {offset} tokens but requests only have {len(ids)} (chunk past the end)")
+        max_seq_len = max(map(int.__add__, starts, lens))
+        if max_seq_len > self.max_positions:
+            rid = next(ch.state.id for ch in batch.chunks if ch.end == max_seq_len)
+            raise ValueError(f"request {rid}: position {max_seq_len - 1} is beyond max_model_len {self.max_positions}")
+
+        # one list -> array conversion per step; numpy, not torch: its per-op cost is far lower on tiny arrays
+        S, R, B = len(lens), len(logits_rows), len(flat_blocks)
+        flat = np.array(starts + lens + num_blocks + logits_rows + flat_blocks + ids, dtype=np.int64)
+        starts_a, lens_a, nb_a = flat[:S], flat[S:2 * S], flat[2 * S:3 * S]
+        rows_a, blocks_a, ids_a = flat[3 * S:3 * S + R], flat[3 * S + R:3 * S + R + B], flat[3 * S + R + B:]
+        qsl = np.zeros(S + 1, dtype=np.int32)
+        np.cumsum(lens_a, out=qsl[1:])
+        seq_of_token = np.repeat(np.arange(S), lens_a)
+        positions = np.arange(offset) + (starts_a - qsl[:-1])[seq_of_token]
+        tables = np.zeros((S, max(num_blocks)), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < nb_a[:, None]] = blocks_a
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+        dev = self.device
+        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slots),
+            query_start_loc=to_dev(qsl),
+            seq_lens=to_dev((starts_a + lens_a).astype(np.int32)),
+            block_tables=to_dev(tables),
+            max_query_len=max(lens),
+            max_seq_len=max_seq_len,
+        )
+        return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a))
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch, block_table: Callable[[str], list[int]]) -> list[int]:
+        """One forward step; returns one token per chunk with ``samples`` set, in batch order."""
+        if batch.empty:
+            return []
+        inputs = self.prepare(batch, block_table)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels)
+        if inputs.logits_rows.numel() == 0:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        return self.sampler(logits).tolist()

@@ -1,0 +1,1 @@
+"""A user's own policies, kept outside the twinserve packages. Put ``examples/`` on PYTHONPATH to use them."""

@@ -1,0 +1,99 @@
+"""Replay: feed a run's measured step durations (its steps.csv) back through the simulator.
+
+Both backends drive the same replica core with the same driver, so a simulation of the same config and workload
+whose steps take exactly the recorded durations must schedule exactly the recorded batches and reproduce every
+request timestamp. A replayed step whose batch differs from the recorded one is a *logic* difference between the
+runs (scheduler, KV accounting, driver), never a timing one: ``ReplayExecutor`` raises ``ReplayDivergence`` at the
+first such step, naming the replica, the step and the features that differ. What remains between a simulation
+and the engine is then the cost model's error alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+from core.batch import Batch, StepFeatures
+from core.interfaces import StepOutput
+from sim.calibration import steps_from_csv
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedStep:
+    features: StepFeatures
+    duration_s: float
+
+
+class ReplayDivergence(ValueError):
+    """A replayed batch differs from the recorded one (or the replay ran out of / left over recorded steps)."""
+
+
+def feature_diff(expected: StepFeatures, got: StepFeatures) -> dict[str, tuple[int, int]]:
+    """Feature name -> (recorded, replayed) for every feature that differs."""
+    return {k: (a, b) for k, a, b in zip(StepFeatures.names(), astuple(expected), astuple(got), strict=True) if a != b}
+
+
+class ReplayExecutor:
+    """One replica's executor: step i takes the i-th recorded duration after checking the batch's features.
+
+    ``wall_clock`` is False: a recorded duration already includes whatever the recording run added (e.g. the
+    engine's measured scheduling time). Tokens are placeholders (``token_id``), so replay reproduces runs whose
+    requests generate a fixed number of tokens (``ignore_eos``, the sim-vs-engine setting).
+    """
+
+    wall_clock = False
+
+    def __init__(self, steps: Sequence[RecordedStep], replica: int = 0, token_id: int = 0) -> None:
+        self.steps = list(steps)
+        self.replica = replica
+        self.token_id = token_id
+        self.position = 0
+
+    def execute(self, batch: Batch) -> StepOutput:
+        i = self.position
+        if i >= len(self.steps):
+            raise ReplayDivergence(f"replica {self.replica} step {i}: the replay runs a step the recording does not "
+                                   f"have (recorded {len(self.steps)} steps); replayed features {batch.features}")
+        rec = self.steps[i]
+        diff = feature_diff(rec.features, batch.features)
+        if diff:
+            detail = ", ".join(f"{k}: recorded {a}, replayed {b}" for k, (a, b) in diff.items())
+            raise ReplayDivergence(f"replica {self.replica} step {i}: batch differs from the recording ({detail}); "
+                                   f"recorded {rec.features}, replayed {batch.features}")
+        self.position = i + 1
+        n = sum(1 for ch in batch.chunks if ch.samples)
+        return StepOutput([self.token_id] * n, rec.duration_s)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.steps) - self.position
+
+    def check_done(self) -> None:
+        """Raise if recorded steps were never replayed (the replay finished its work earlier than the recording)."""
+        if self.remaining:
+            raise ReplayDivergence(f"replica {self.replica}: replay ended after {self.position} steps, the recording "
+                                   f"has {len(self.steps)}; first unreplayed: {self.steps[self.position].features}")
+
+
+def load_recording(path: str | Path) -> dict[int, list[RecordedStep]]:
+    """Per replica, its recorded steps in step order, from a run directory or its steps.csv."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "steps.csv"
+    if not path.is_file():
+        raise ValueError(f"replay: no steps.csv at {path}")
+    features, durations, replicas = steps_from_csv(path)
+    out: dict[int, list[RecordedStep]] = {}
+    for f, d, r in zip(features, durations.tolist(), replicas.tolist(), strict=True):
+        out.setdefault(int(r), []).append(RecordedStep(f, float(d)))
+    return out
+
+
+def replay_executors(path: str | Path, num_replicas: int, token_id: int = 0) -> list[ReplayExecutor]:
+    """One ReplayExecutor per replica from a recorded run (steps.csv rows are in step order per replica)."""
+    rec = load_recording(path)
+    extra = sorted(set(rec) - set(range(num_replicas)))
+    if extra:
+        raise ReplayDivergence(f"replay: the recording has steps of replicas {extra}, the config has {num_replicas}")
+    return [ReplayExecutor(rec.get(i, []), i, token_id) for i in range(num_replicas)]

@@ -1,0 +1,63 @@
+"""Tiny random-weight Hugging Face checkpoints and reference computations shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from engine.attention import AttentionMetadata, allocate_kv_caches
+from kernels.ops import get_kernels
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=160, max_position_embeddings=256)
+LAYOUTS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+}
+WEIGHT_STD = 0.15  # larger than HF's 0.02 so greedy argmax has clear margins
+
+
+def tiny_hf(layout: str = "llama", seed: int = 0, **overrides):
+    """A float32 random-weight transformers model of one of LAYOUTS."""
+    config_cls, model_cls, extra = LAYOUTS[layout]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tiny_checkpoint(tmp_path, layout: str = "llama", seed: int = 0, **overrides):
+    """(HF model, checkpoint directory) saved with safetensors."""
+    model = tiny_hf(layout, seed, **overrides)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model, tmp_path
+
+
+def prefill_logits(model, token_ids: torch.Tensor, kernels: str = "torch", block_size: int = 4,
+                   kv_dtype: str = "auto") -> torch.Tensor:
+    """Our logits for every position of one prompt, computed in a single step on fresh caches."""
+    T = len(token_ids)
+    nb = -(-T // block_size)
+    caches = allocate_kv_caches(model.spec, nb + 3, block_size, model.dtype, "cpu", kv_dtype)
+    blocks = torch.arange(nb + 2, 2, -1, dtype=torch.int32)[:nb]  # scattered, non-identity block ids
+    slots = blocks.long().repeat_interleave(block_size)[:T] * block_size + torch.arange(T) % block_size
+    meta = AttentionMetadata(slots, torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+                             blocks[None], T, T)
+    with torch.inference_mode():
+        return model.compute_logits(model(token_ids, torch.arange(T), meta, caches, get_kernels(kernels)))
+
+
+def hf_logits(hf, token_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(token_ids[None]).logits[0].float()
