@@ -30,7 +30,8 @@ class SchedulerLimits:
     max_num_seqs: int = 128  # sequences in one step / running at once
     max_model_len: int = 4096  # prompt + output tokens of one request
     request_timeout_s: float | None = None  # a request not finished this long after arrival is TIMED_OUT
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # empty: generate exactly max_new_tokens
+    vocab_size: int | None = None  # when set, explicit prompt token ids must lie in [0, vocab_size)
 
     def __post_init__(self) -> None:
         for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -115,6 +116,9 @@ class Replica:
         elif self.kv.blocks_for(total - 1) > self.kv.num_blocks:
             reason = (f"needs {self.kv.blocks_for(total - 1)} KV blocks of {self.kv.block_size} tokens; "
                       f"the pool has {self.kv.num_blocks}")
+        elif self.limits.vocab_size is not None and request.prompt_token_ids is not None and (
+                min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.limits.vocab_size):
+            reason = f"prompt token ids outside the vocabulary [0, {self.limits.vocab_size})"
         if reason:
             self._end(state, Status.REJECTED, now, reason)
             return state
@@ -156,8 +160,7 @@ class Replica:
             state.token_times.append(end_s)
             if state.first_token_s is None:
                 state.first_token_s = end_s
-            if len(state.output_token_ids) >= state.request.max_new_tokens or (
-                    tok in eos and not state.request.ignore_eos):
+            if len(state.output_token_ids) >= state.request.max_new_tokens or tok in eos:
                 state.status = Status.FINISHED
                 finished = True
         if finished:

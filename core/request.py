@@ -40,7 +40,6 @@ class Request:
     priority: int = 0  # lower value = more important (as in vLLM)
     slo_class: str = "default"
     ttft_deadline_s: float | None = None  # relative to arrival; used by SLO-aware schedulers
-    ignore_eos: bool = True  # sim-vs-engine runs generate exactly max_new_tokens
     warmup: bool = False  # run, but excluded from every metric
 
     def __post_init__(self) -> None:

@@ -23,6 +23,13 @@ def _from_mapping(cls, cfg: Mapping[str, Any]):
     return cls(**dict(cfg))
 
 
+def _as_ids(value: Any) -> tuple[int, ...]:
+    """An HF token-id field: absent, one id, or a list of ids."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A dense Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
@@ -44,6 +51,7 @@ class ModelSpec:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors)
     dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()  # from the checkpoint; used only when the engine stops at EOS
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -101,6 +109,7 @@ class ModelSpec:
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
             path=path,
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            eos_token_ids=_as_ids(hf.get("eos_token_id")),
         )
 
     @classmethod

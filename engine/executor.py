@@ -78,7 +78,7 @@ def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_manag
                            seed: int = 0) -> list[EngineExecutor]:
     """One executor per replica from a ``conf/backend/engine.yaml`` section; the replicas share one model."""
     allowed = {"name", "kernels", "device", "dtype", "quant", "quant_group_size", "kv_dtype", "temperature", "top_p",
-               "top_k", "warmup_steps", "num_threads"}
+               "top_k", "warmup_steps", "num_threads", "ignore_eos"}
     unknown = sorted(set(backend) - allowed)
     if unknown:
         raise ValueError(f"backend: unknown keys {unknown}; allowed: {sorted(allowed)}")

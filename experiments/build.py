@@ -85,9 +85,12 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
     missing = [k for k in LIMIT_KEYS if k not in sched]
     if missing:
         raise ValueError(f"scheduler config lacks {missing}")
+    # Sim-vs-engine comparisons generate exactly each request's output length; an engine run may stop at EOS.
+    stop_at_eos = cfg.backend.name == "engine" and not cfg.backend.get("ignore_eos", True)
     limits = SchedulerLimits(max_num_batched_tokens=int(sched.max_num_batched_tokens),
                              max_num_seqs=int(sched.max_num_seqs), max_model_len=spec.max_model_len,
-                             request_timeout_s=cfg.request_timeout_s)
+                             request_timeout_s=cfg.request_timeout_s, vocab_size=spec.vocab_size,
+                             eos_token_ids=frozenset(spec.eos_token_ids) if stop_at_eos else frozenset())
     n = int(cfg.replicas)
     if n < 1:
         raise ValueError(f"replicas must be >= 1, got {n}")
@@ -126,17 +129,29 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict:
     router = _instantiate(cfg.router, "router")
     workload = build_workload(cfg.workload)
     result: RunResult = Simulation(replicas, executors, router, workload,
-                                   progress=bool(cfg.output.progress)).run()
+                                   progress=_progress(cfg.output.progress)).run()
     metrics = summarize(result.states, **metrics_options(cfg, spec))
     metrics.update(backend=cfg.backend.name, wall_s=result.wall_s, num_steps=len(result.steps),
                    sim_s_per_wall_s=result.end_s / result.wall_s if result.wall_s > 0 else None)
     out = Path(out_dir)
     write_run(out, result.states, result.steps, metrics)
+    if cfg.backend.name == "engine":
+        from engine.outputs import write_outputs
+
+        write_outputs(out / "outputs.jsonl", result.states, spec, int(cfg.seed))
     if cfg.output.plots:
         from experiments import plots
 
         plots.plot_run(out)
     return metrics
+
+
+def _progress(setting: Any) -> bool:
+    if setting == "auto":
+        import sys
+
+        return sys.stderr.isatty()
+    return bool(setting)
 
 
 def metrics_options(cfg: DictConfig, spec: ModelSpec) -> dict[str, Any]:

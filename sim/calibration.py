@@ -207,7 +207,7 @@ def _roofline_terms(ref: RooflineCostModel, features: Sequence[Measurement],
 
 
 def _rho(r: np.ndarray, loss: str, f_scale: float) -> np.ndarray:
-    """Per-row loss of relative residuals, as scipy.optimize.least_squares defines it (times 2)."""
+    """Per-row loss of relative residuals: scipy.optimize.least_squares's scaled rho (its cost is half the sum)."""
     z = (r / f_scale) ** 2
     return f_scale**2 * (z if loss == "linear" else 2.0 * (np.sqrt(1.0 + z) - 1.0))
 

@@ -34,7 +34,16 @@ from omegaconf import OmegaConf
 
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
-from sim.calibration import Measurement, OpGroupCost, cross_validate, fit_linear, fit_roofline, predict, report
+from sim.calibration import (
+    FITTED_ROOFLINE,
+    Measurement,
+    OpGroupCost,
+    cross_validate,
+    fit_linear,
+    fit_roofline,
+    predict,
+    report,
+)
 from sim.cost import arithmetic as ar
 from sim.cost.base import decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
@@ -300,7 +309,7 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
         "rows": len(y), "ops": list(ds.ops) if ds.ops else None, "derived": ds.derived,
         "faster_than_peak": int((predict(peak, F) > y).sum()),  # below the 100%-efficiency, zero-overhead bound
         "default": report(_priced(default, ds), F, y, ds.labels).to_dict(),
-        "roofline": {**{k: fitted.params()[k] for k in ("compute_eff", "bw_eff", "overhead_s")},
+        "roofline": {**{k: fitted.params()[k] for k in FITTED_ROOFLINE},
                      "report": fit_rep.to_dict(), "cv_median_rel_error": float(np.median(np.abs(cv)))},
         "linear": None,
     }
@@ -315,6 +324,16 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
 
 
 def check(source: str, data_dir: str | Path | None = None, folds: int = 5) -> dict[str, Any]:
-    """Every setup of one source: ``check_dataset`` results, and which rows were skipped and why."""
+    """Every setup of one source: ``check_dataset`` results, which rows were skipped and why, and a summary pooling
+    all rows of the source (each setup priced by its own fitted roofline)."""
     datasets, skipped = load(source, data_dir)
-    return {"source": source, "skipped": skipped, "setups": [check_dataset(ds, folds) for ds in datasets]}
+    setups = [check_dataset(ds, folds) for ds in datasets]
+    meas = np.concatenate([x["points"]["measured"] for x in setups])
+
+    def pooled(key: str) -> float:
+        pred = np.concatenate([x["points"][key] for x in setups])
+        return float(np.median(np.abs(pred - meas) / meas))
+
+    summary = {"setups": len(setups), "rows": len(meas), "default_median_rel_error": pooled("default"),
+               "fitted_median_rel_error": pooled("fitted")}
+    return {"source": source, "skipped": skipped, "summary": summary, "setups": setups}

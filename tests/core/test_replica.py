@@ -76,3 +76,11 @@ def test_timeouts_end_requests_and_free_blocks():
     assert Status.TIMED_OUT in statuses and Status.FINISHED in statuses
     assert all(s.status.terminal for s in res.states)
     assert reps[0].kv.num_used_blocks == 0
+
+
+def test_prompt_ids_outside_the_vocabulary_are_rejected():
+    reqs = [Request("bad", 0.0, 3, 2, prompt_token_ids=(1, 99, 2)), Request("ok", 0.0, 3, 2, prompt_token_ids=(1, 2, 3))]
+    res, _ = simulate(reqs, SarathiScheduler, vocab_size=50)
+    by_id = {s.id: s for s in res.states}
+    assert by_id["bad"].status is Status.REJECTED and "vocabulary" in by_id["bad"].reason
+    assert by_id["ok"].status is Status.FINISHED

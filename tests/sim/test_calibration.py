@@ -1,0 +1,260 @@
+"""Calibration fits: recover known coefficients from synthetic steps, NNLS sign constraints, calibration files."""
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from core.batch import StepFeatures
+from core.records import StepRecord
+from core.specs import HardwareSpec, ModelSpec
+from sim.calibration import (
+    OpGroupCost,
+    cross_validate,
+    feature_matrix,
+    fit_linear,
+    fit_roofline,
+    load_calibration,
+    report,
+    steps_from_csv,
+    write_calibration,
+)
+from sim.cost.base import decode_features, prefill_features
+from sim.cost.linear import LinearCostModel
+from sim.cost.roofline import RooflineCostModel
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def conf(group: str, name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
+
+
+LLAMA7B = ModelSpec.from_mapping(conf("model", "llama2_7b"))
+A100 = HardwareSpec.from_mapping(conf("hardware", "a100"))
+
+
+def mixed(pre: StepFeatures, dec: StepFeatures) -> StepFeatures:
+    return StepFeatures(*(getattr(pre, k) + getattr(dec, k) for k in StepFeatures.names()[:-1]),
+                        max(pre.max_context_len, dec.max_context_len))
+
+
+def random_steps(n: int, seed: int) -> list[StepFeatures]:
+    """Prefill (with and without cached prefix), decode and mixed steps of widely varying size."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        pre = prefill_features(int(rng.integers(16, 4096)), int(rng.integers(0, 2048)))
+        dec = decode_features(int(rng.integers(1, 256)), int(rng.integers(16, 4096)))
+        out.append((pre, dec, mixed(prefill_features(int(rng.integers(16, 1024))), dec))[i % 3])
+    return out
+
+
+def noisy(y: np.ndarray, seed: int, low: float = 0.02, high: float = 0.05) -> np.ndarray:
+    """Multiplicative noise of 2-5% with a random sign."""
+    rng = np.random.default_rng(seed)
+    return y * (1 + rng.choice([-1, 1], len(y)) * rng.uniform(low, high, len(y)))
+
+
+def test_feature_matrix_hand_computed():
+    pre, dec = prefill_features(10, cached=4), decode_features(3, context=100)
+    run = (prefill_features(8), prefill_features(8, cached=8))
+    X = feature_matrix([pre, dec, run])
+    np.testing.assert_array_equal(X[0], [1, 10, 0, 10 * 4 + 10 * 11 // 2, 0])
+    np.testing.assert_array_equal(X[1], [1, 0, 3, 0, 300])
+    # a run sums its steps: 2 intercepts, 16 tokens, pairs 36 + (64 + 36)
+    np.testing.assert_array_equal(X[2], [2, 16, 0, 36 + 100, 0])
+
+
+def test_fit_linear_recovers_coefficients_under_noise():
+    truth = LinearCostModel(c0_s=5e-3, per_prefill_token_s=1e-4, per_decode_seq_s=3e-4, per_attention_pair_s=2e-8,
+                            per_kv_token_read_s=1e-7)
+    F = random_steps(300, seed=1)
+    y = noisy(np.array([truth.step_time(f) for f in F]), seed=2)
+    fitted, rep = fit_linear(F, y)
+    for k, v in truth.to_dict().items():
+        if k != "_target_":
+            assert getattr(fitted, k) == pytest.approx(v, rel=0.10), k
+    assert rep.num_rows == 300 and rep.median_rel_error < 0.05 and rep.r2 > 0.99
+    assert set(rep.groups) == {"prefill", "decode", "mixed"}
+
+
+def test_fit_linear_keeps_coefficients_non_negative():
+    # Truth pulls decode seqs *negatively*: unconstrained least squares goes negative, NNLS must clamp at exactly 0.
+    F = random_steps(90, seed=3)
+    X = feature_matrix(F)
+    y = 5e-3 + 1e-4 * X[:, 1] - 2e-5 * X[:, 2] + 1e-7 * X[:, 4]
+    unconstrained = np.linalg.lstsq(X / y[:, None], np.ones(len(y)), rcond=None)[0]
+    assert unconstrained[2] < 0
+    fitted, _ = fit_linear(F, y)
+    assert fitted.per_decode_seq_s == 0.0
+    # A truly absent term stays (near) zero under noise too.
+    truth = LinearCostModel(c0_s=4e-3, per_prefill_token_s=1e-4, per_kv_token_read_s=1e-7)
+    y = noisy(np.array([truth.step_time(f) for f in F]), seed=4)
+    fitted, _ = fit_linear(F, y)
+    pairs, tokens = 1024 * 1025 / 2, 1024  # a 1k-token prefill: the spurious term adds < 5% of the token term
+    assert fitted.per_attention_pair_s * pairs < 0.05 * truth.per_prefill_token_s * tokens
+
+
+def test_relative_weighting_minimises_relative_error():
+    truth = RooflineCostModel(LLAMA7B, A100, compute_eff=0.6, bw_eff=0.8, overhead_s=2e-3)
+    F = random_steps(120, seed=5)
+    y = noisy(np.array([truth.step_time(f) for f in F]), seed=6)
+    sq = {rel: float(np.sum((np.array([m.step_time(f) for f in F]) / y - 1) ** 2))
+          for rel, m in ((rel, fit_linear(F, y, relative=rel)[0]) for rel in (True, False))}
+    assert sq[True] <= sq[False]
+
+
+def test_fit_roofline_recovers_efficiencies():
+    truth = RooflineCostModel(LLAMA7B, A100, compute_eff=0.55, bw_eff=0.7, overhead_s=2e-3)
+    F = random_steps(150, seed=7)
+    y = noisy(np.array([truth.step_time(f) for f in F]), seed=8, low=0.0, high=0.03)
+    fitted, rep = fit_roofline(F, y, LLAMA7B, A100)
+    assert fitted.compute_eff == pytest.approx(0.55, rel=0.05)
+    assert fitted.bw_eff == pytest.approx(0.7, rel=0.05)
+    assert fitted.overhead_s == pytest.approx(2e-3, rel=0.25)
+    assert rep.median_rel_error < 0.03
+    # the report prices with the returned model
+    assert rep.median_rel_error == pytest.approx(report(fitted, F, y).median_rel_error)
+
+
+def test_fit_roofline_runs_of_steps_and_tensor_parallel():
+    """Chunked prefills measured as one sum (runs), tp=2: noise-free data is fitted exactly."""
+    truth = RooflineCostModel(LLAMA7B, A100, compute_eff=0.4, bw_eff=0.9, overhead_s=5e-3, tp=2)
+    rng = np.random.default_rng(9)
+    F = []
+    for _ in range(40):
+        n, chunk = int(rng.integers(512, 8192)), int(rng.choice([256, 512, 1024]))
+        F.append(tuple(prefill_features(min(chunk, n - s), s) for s in range(0, n, chunk)))
+        F.append(decode_features(int(rng.integers(1, 128)), int(rng.integers(64, 4096))))
+    y = np.array([sum(truth.step_time(f) for f in (m if isinstance(m, tuple) else (m,))) for m in F])
+    fitted, rep = fit_roofline(F, y, LLAMA7B, A100, truth)
+    assert fitted.tp == 2
+    assert (fitted.compute_eff, fitted.bw_eff) == pytest.approx((0.4, 0.9), rel=0.01)
+    assert fitted.overhead_s == pytest.approx(5e-3, rel=0.02)
+    assert rep.max_rel_error < 0.01
+    assert set(rep.groups) == {"prefill", "decode"}
+
+
+def test_fit_roofline_on_one_op_group():
+    """Per-operator data: only the linear layers were timed (plus a launch overhead)."""
+    truth = OpGroupCost(RooflineCostModel(LLAMA7B, A100, compute_eff=0.75, bw_eff=0.6, overhead_s=3e-5), ("linear",))
+    F = [StepFeatures(num_seqs=1, num_batched_tokens=t, num_prefill_seqs=1, num_prefill_tokens=t)
+         for t in np.unique(np.geomspace(1, 8192, 80).astype(int))]
+    y = noisy(np.array([truth.step_time(f) for f in F]), seed=10, low=0.0, high=0.02)
+    fitted, rep = fit_roofline(F, y, LLAMA7B, A100, ops=("linear",))
+    assert (fitted.compute_eff, fitted.bw_eff) == pytest.approx((0.75, 0.6), rel=0.05)
+    assert rep.median_rel_error < 0.02
+
+
+def test_cross_validate_is_held_out():
+    truth = LinearCostModel(c0_s=1e-3, per_prefill_token_s=2e-4, per_decode_seq_s=1e-4)
+    F = random_steps(30, seed=11)
+    y = np.array([truth.step_time(f) for f in F])
+    rel = cross_validate(lambda f, t: fit_linear(f, t)[0], F, y, folds=3)
+    assert rel.shape == (30,) and np.abs(rel).max() < 1e-6
+    # a model that memorised nothing (mean duration) is judged on rows it never saw: errors are large
+    mean_model = lambda f, t: LinearCostModel(c0_s=float(np.mean(t)))
+    assert np.median(np.abs(cross_validate(mean_model, F, y, folds=3))) > 0.2
+
+
+def test_report_groups_and_perfect_prediction():
+    m = LinearCostModel(c0_s=1e-3, per_prefill_token_s=1e-5)
+    F = [prefill_features(100), prefill_features(200), decode_features(4, 10)]
+    y = np.array([m.step_time(f) for f in F])
+    rep = report(m, F, y, labels=["a", "b", "a"])
+    assert rep.r2 == pytest.approx(1.0) and rep.max_rel_error == pytest.approx(0.0, abs=1e-12)
+    assert rep.groups["a"]["num_rows"] == 2 and rep.groups["b"]["num_rows"] == 1
+    slow = report(LinearCostModel(c0_s=2e-3, per_prefill_token_s=2e-5), F, y)
+    assert slow.median_signed_rel_error == pytest.approx(1.0)  # everything predicted twice as slow
+    assert slow.to_dict()["groups"]["decode"]["num_rows"] == 1
+
+
+def write_steps(path: Path, records: list[StepRecord]) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(StepRecord.columns())
+        w.writerows(r.row() for r in records)
+
+
+def test_steps_from_csv_round_trip(tmp_path):
+    F = random_steps(6, seed=12)
+    records = [StepRecord(i % 2, 0.1 * i, 0.01 + i * 1e-3, f, 3, 0) for i, f in enumerate(F)]
+    write_steps(tmp_path / "steps.csv", records)
+    feats, durations, replicas = steps_from_csv(tmp_path / "steps.csv")
+    assert feats == F
+    np.testing.assert_allclose(durations, [r.duration_s for r in records])
+    np.testing.assert_array_equal(replicas, [0, 1, 0, 1, 0, 1])
+
+
+def test_steps_from_csv_errors(tmp_path):
+    (tmp_path / "a.csv").write_text("replica,start_s,duration_s\n0,0,1\n")
+    with pytest.raises(ValueError, match="missing columns.*num_prefill_tokens"):
+        steps_from_csv(tmp_path / "a.csv")
+    write_steps(tmp_path / "b.csv", [StepRecord(0, 0.0, 0.01, prefill_features(4), 1, 0)])
+    text = (tmp_path / "b.csv").read_text().replace("0.01", "fast")
+    (tmp_path / "b.csv").write_text(text)
+    with pytest.raises(ValueError, match="b.csv:2"):
+        steps_from_csv(tmp_path / "b.csv")
+
+
+def test_bad_inputs_are_named():
+    F = [prefill_features(10), decode_features(2, 5)]
+    with pytest.raises(ValueError, match="durations must be finite and > 0; row 1"):
+        fit_linear(F, [0.1, 0.0])
+    with pytest.raises(ValueError, match="2 measurements"):
+        fit_linear(F, [0.1])
+    with pytest.raises(ValueError, match="unknown op groups"):
+        fit_roofline(F, [0.1, 0.2], LLAMA7B, A100, ops=("mlp",))
+    with pytest.raises(ValueError, match="unknown keys"):
+        fit_roofline(F, [0.1, 0.2], LLAMA7B, A100, {"tensor_parallel": 2})
+    with pytest.raises(ValueError, match="loss"):
+        fit_roofline(F, [0.1, 0.2], LLAMA7B, A100, loss="huber")
+    with pytest.raises(ValueError, match="measurement"):
+        feature_matrix([()])
+
+
+def test_linear_calibration_round_trip(tmp_path):
+    model = LinearCostModel(c0_s=1.234e-3, per_prefill_token_s=5.6e-5, per_decode_seq_s=7e-5,
+                            per_attention_pair_s=1.1e-9, per_kv_token_read_s=3.3e-8)
+    F = random_steps(20, 13)
+    rep = report(model, F, noisy(np.array([model.step_time(f) for f in F]), 14))
+    path = write_calibration(tmp_path / "cal.yaml", model, rep, note="engine run 2024-01-01")
+    text = path.read_text()
+    assert text.startswith("# Calibrated") and "engine run" in text and "median |rel err|" in text
+    assert (tmp_path / "cal.report.json").is_file()
+    loaded = load_calibration(path)
+    assert loaded == model
+    via_hydra = instantiate(OmegaConf.load(path))
+    assert [via_hydra.step_time(f) for f in F] == [model.step_time(f) for f in F]
+
+
+def test_roofline_calibration_round_trip_and_hydra(tmp_path):
+    model = RooflineCostModel(LLAMA7B, A100, compute_eff=0.6123456789, bw_eff=0.7, overhead_s=3.21e-3, tp=2,
+                              weight_bits=8, kv_bits=8, group_size=64)
+    path = write_calibration(tmp_path / "roof.yaml", model)
+    F = random_steps(20, 15)
+    expect = [model.step_time(f) for f in F]
+    loaded = load_calibration(path, LLAMA7B, A100)
+    assert loaded.params() == model.params()
+    assert [loaded.step_time(f) for f in F] == expect
+    # compose as a run would: model/hardware groups + this file as the cost_model option
+    cfg = OmegaConf.create({"model": conf("model", "llama2_7b"), "hardware": conf("hardware", "a100")})
+    cfg.cost_model = OmegaConf.load(path)
+    via_hydra = instantiate(cfg.cost_model)
+    assert isinstance(via_hydra, RooflineCostModel) and via_hydra.params() == model.params()
+    assert [via_hydra.step_time(f) for f in F] == expect
+    with pytest.raises(ValueError, match="pass model="):
+        load_calibration(path)
+
+
+def test_load_calibration_rejects_unknown_target(tmp_path):
+    (tmp_path / "x.yaml").write_text("_target_: sim.cost.other.Model\n")
+    with pytest.raises(ValueError, match="_target_"):
+        load_calibration(tmp_path / "x.yaml")
+    (tmp_path / "y.yaml").write_text("_target_: sim.cost.roofline.RooflineCostModel\nbw_eff: 0.5\nfoo: 1\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_calibration(tmp_path / "y.yaml", LLAMA7B, A100)
