@@ -54,6 +54,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()  # from the checkpoint; used only when the engine stops at EOS
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", _as_ids(self.eos_token_ids))  # lists from YAML -> tuple
         for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                     "vocab_size", "max_model_len"):
             if int(getattr(self, key)) < 1:
