@@ -67,6 +67,7 @@ class RequestState:
     """
 
     request: Request
+    id: str = field(init=False)  # = request.id, copied: read on every hot path
     status: Status = Status.WAITING
     replica: int = -1
     num_computed_tokens: int = 0
@@ -80,9 +81,8 @@ class RequestState:
     reason: str = ""  # why REJECTED / TIMED_OUT
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
 
-    @property
-    def id(self) -> str:
-        return self.request.id
+    def __post_init__(self) -> None:
+        self.id = self.request.id
 
     @property
     def num_tokens(self) -> int:

@@ -89,8 +89,9 @@ class Simulation:
     def _replica_loop(self, i: int):
         replica, executor, env = self.replicas[i], self.executors[i], self.env
         wall_clock = getattr(executor, "wall_clock", False)
+        clock = time.perf_counter if wall_clock else (lambda: 0.0)
         while True:
-            t0 = time.perf_counter()
+            t0 = clock()
             batch = replica.schedule(env.now)
             if batch.empty:
                 if replica.running:
@@ -102,9 +103,9 @@ class Simulation:
                 yield self._wake[i]
                 self._wake[i] = None
                 continue
-            sched_s = time.perf_counter() - t0
+            sched_s = clock() - t0
             out = executor.execute(batch)
-            duration = out.duration_s + (sched_s if wall_clock else 0.0)
+            duration = out.duration_s + sched_s
             start = env.now
             yield env.timeout(duration)
             replica.apply(batch, out.tokens, env.now)

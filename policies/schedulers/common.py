@@ -34,15 +34,18 @@ def schedule_running(view: SchedulerView, order: list[RequestState], chunks: dic
                      chunked: bool = True, victim: Victim = newest) -> int:
     """Give each running request in ``order`` its next chunk while budget lasts. Without ``chunked``, a
     request whose remaining tokens do not fit the budget is skipped this step. Returns the budget left."""
+    running, allocate, now = Status.RUNNING, view.kv.allocate, view.now
     for state in order:
         if budget == 0:
             break
-        if state.status is not Status.RUNNING:
+        if state.status is not running:
             continue  # preempted as a victim earlier in this loop
-        n = min(state.num_remaining_tokens, budget)
-        if not chunked and n < state.num_remaining_tokens:
+        remaining = state.num_remaining_tokens
+        n = remaining if remaining < budget else budget
+        if not chunked and n < remaining:
             continue
-        if make_room(view, state, n, chunks, victim):
+        # the common case (room already there) first, without the preemption machinery
+        if allocate(state, n, now) or make_room(view, state, n, chunks, victim):
             chunks[state.id] = Chunk.next(state, n)
             budget -= n
     return budget
