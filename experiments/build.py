@@ -56,8 +56,8 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
     if budget is None:
         budget = hw.mem_bytes * kv.memory_fraction - arithmetic.weight_bytes(spec)
         if budget <= 0:
-            raise ValueError(f"model {spec.name} ({arithmetic.weight_bytes(spec) / 1e9:.1f} GB of weights) does not fit "
-                             f"hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
+            raise ValueError(f"model {spec.name} ({arithmetic.weight_bytes(spec) / 1e9:.1f} GB of weights) does not "
+                             f"fit hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
     blocks = int(budget // per_block)
     if blocks < 1:
         raise ValueError(f"kv.memory_bytes={budget:.3g} holds no block of {per_block:.3g} bytes")

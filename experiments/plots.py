@@ -45,7 +45,7 @@ class RunData:
         keep = set(self.requests["id"][self._measured()].tolist())
         t = self.tokens
         events: dict[str, list[tuple[float, int]]] = {}
-        for rid, idx, time, k in sorted(zip(t["request_id"].tolist(), t["index"].tolist(), t["time_s"].tolist(),
+        for rid, _idx, time, k in sorted(zip(t["request_id"].tolist(), t["index"].tolist(), t["time_s"].tolist(),
                                             t["num_tokens"].tolist(), strict=True)):
             if rid in keep:
                 events.setdefault(rid, []).append((time, k))
@@ -161,3 +161,187 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     d = Path(run_dir)
     run = {d.name: load_run(d)}
     return [latency_cdfs(run, d / "latency_cdfs.png"), step_timeline(run, d / "step_timeline.png")]
+
+
+def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]], path: str | Path,
+                          title: str = "") -> Path:
+    """Step time predicted by a cost model against measured, one panel per model, one colour per group
+    (e.g. prefill / decode / mixed); log axes with the y = x line."""
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+        for ax, (name, groups) in zip(axes.flat, panels.items(), strict=True):
+            lo, hi = np.inf, 0.0
+            for i, (group, (measured, predicted)) in enumerate(groups.items()):
+                m, p = np.asarray(measured, float) * 1e3, np.asarray(predicted, float) * 1e3
+                if not len(m):
+                    continue
+                ax.plot(m, p, "o", ms=3, alpha=0.6, color=COLORS[i % 10], label=f"{group} (n={len(m)})")
+                lo, hi = min(lo, m.min(), p.min()), max(hi, m.max(), p.max())
+            if hi > 0:
+                ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+            ax.set_xlabel("measured step time (ms)")
+            ax.set_ylabel("predicted step time (ms)")
+            ax.set_title(name)
+            ax.legend(fontsize=7)
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+def rate_curves(curves: Mapping[str, Mapping[float, Mapping]], path: str | Path,
+                panels: Sequence[tuple[str, str | None, str]] = (
+                    ("ttft_s", "p50", "TTFT p50 (s)"), ("ttft_s", "p90", "TTFT p90 (s)"),
+                    ("tpot_s", "p50", "TPOT p50 (s)"), ("tpot_s", "p90", "TPOT p90 (s)"),
+                    ("goodput_rps", None, "goodput (req/s)"), ("throughput_tok_s", None, "throughput (tok/s)")),
+                xlabel: str = "request rate (req/s)") -> Path:
+    """Metrics against offered load, one line per run family (e.g. sim vs engine). ``curves`` maps a label to
+    {rate: metrics.json dict}; a panel is (metric key, percentile key or None for a scalar, axis label)."""
+    ncols = 3 if len(panels) > 4 else len(panels)
+    nrows = -(-len(panels) // ncols)
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.0 * ncols, 3.1 * nrows), squeeze=False)
+        for ax, (key, pct, label) in zip(axes.flat, panels, strict=False):
+            for i, (name, by_rate) in enumerate(curves.items()):
+                rates = sorted(by_rate)
+                ys = [by_rate[r].get(key) for r in rates]
+                ys = [(y or {}).get(pct) if pct else y for y in ys]
+                ys = [np.nan if y is None else y for y in ys]
+                ax.plot(rates, ys, "-o" if i == 0 else "--s", ms=3, color=COLORS[i % 10], label=name)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+# ---- study figures (experiments/studies): metrics of many runs side by side ---------------------------------
+# A panel: (dotted metrics key, axis label with unit, scale), e.g. ("itl_s.p99", "p99 ITL (ms)", 1e3)
+Panel = tuple[str, str, float]
+
+
+def metric_value(metrics: Mapping, key: str, scale: float = 1.0) -> float:
+    """A dotted key of a metrics.json dict (``ttft_s.p99``), times ``scale``; NaN when absent or null."""
+    v = metrics
+    for part in key.split("."):
+        v = v.get(part) if isinstance(v, Mapping) else None
+    return np.nan if v is None else float(v) * scale
+
+
+def _line_style(label: str, i: int) -> dict:
+    """Same colour per series index across a study's panels; engine runs dashed with square markers."""
+    engine = "engine" in label
+    return dict(color=COLORS[i % 10], linestyle="--" if engine else "-", marker="s" if engine else "o", ms=3)
+
+
+def _grid(n: int, ncols: int = 3, size: tuple[float, float] = (4.0, 3.1)):
+    ncols = min(ncols, n)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)[:n]
+
+
+def metric_curves(curves: Mapping[str, Mapping[float, Mapping]], panels: Sequence[Panel], path: str | Path,
+                  xlabel: str, x_key: Panel | None = None, logx: bool = False, title: str = "") -> Path:
+    """One panel per metric, one line per series; ``curves`` maps a series label to {x: metrics.json dict}.
+    With ``x_key`` the x coordinate is that metric of each run instead (e.g. throughput for latency-vs-throughput
+    curves), and ``xlabel`` is ignored."""
+    with plt.rc_context(STYLE):
+        fig, axes = _grid(len(panels))
+        for ax, (key, label, scale) in zip(axes, panels, strict=True):
+            for i, (name, runs) in enumerate(curves.items()):
+                xs = sorted(runs)
+                x = [metric_value(runs[v], x_key[0], x_key[2]) for v in xs] if x_key else xs
+                ax.plot(x, [metric_value(runs[v], key, scale) for v in xs], label=name, **_line_style(name, i))
+            if logx:
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel(x_key[1] if x_key else xlabel)
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+def metric_bars(runs: Mapping[str, Mapping], panels: Sequence[Panel], path: str | Path, title: str = "",
+                log: bool = False) -> Path:
+    """One panel per metric, one bar per run (same colour per run across panels), value printed on each bar."""
+    with plt.rc_context(STYLE):
+        fig, axes = _grid(len(panels), size=(max(3.2, 0.9 * len(runs) + 1.4), 3.1))
+        for ax, (key, label, scale) in zip(axes, panels, strict=True):
+            vals = [metric_value(m, key, scale) for m in runs.values()]
+            bars = ax.bar(range(len(vals)), vals, color=[COLORS[i % 10] for i in range(len(vals))])
+            ax.bar_label(bars, labels=[f"{v:.3g}" for v in vals], fontsize=6)
+            ax.set_xticks(range(len(vals)), list(runs), rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel(label)
+            if log:
+                ax.set_yscale("log")
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+def token_gaps(runs: Mapping[str, RunData], request_ids: Sequence[str], path: str | Path,
+               threshold_s: float | None = None) -> Path:
+    """The gap before each output event of a few requests (ms, drawn over the interval it spans), one panel per
+    run: a single long pause shows as one plateau that a mean or a token percentile averages away."""
+    with plt.rc_context(STYLE):
+        fig, axes = _grid(len(runs), ncols=2, size=(5.5, 3.2))
+        for ax, (label, run) in zip(axes, runs.items(), strict=True):
+            t = run.tokens
+            for i, rid in enumerate(request_ids):
+                keep = t["request_id"] == rid
+                times = np.unique(t["time_s"][keep].astype(float))  # one point per output event
+                if len(times) > 1:  # each gap drawn as a level over the interval it spans
+                    ax.step(times[1:], np.diff(times) * 1e3, where="pre", lw=0.8, color=COLORS[i % 10], label=rid)
+            if threshold_s is not None:
+                ax.axhline(threshold_s * 1e3, color="k", ls=":", lw=0.8, label="stall threshold")
+            ax.set_yscale("log")
+            ax.set_xlabel("time (s)")
+            ax.set_ylabel("gap before output event (ms)")
+            ax.set_title(label)
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+KIND_STYLES = {"measured": ("-", "o", "measured"), "predicted_fit": ("--", "", "predicted (fitted)"),
+               "predicted_conf": (":", "", "predicted (conf)")}
+
+
+def measured_and_predicted_curves(panels: Sequence[Mapping], path: str | Path, title: str = "",
+                                  hline: float | None = None, ncols: int | None = None) -> Path:
+    """Curves over a shared x per panel: one colour per series, one line style per kind (measured solid,
+    predictions dashed / dotted). A panel is {"title", "xlabel", "ylabel", "x": [...], "series": {name: {kind: ys}},
+    "logx": bool}; ``hline`` draws a reference level (e.g. 1 for speed-ups)."""
+    ncols = ncols or len(panels)
+    nrows = -(-len(panels) // ncols)
+    with figure(nrows, ncols, (4.4 * ncols, 3.4 * nrows)) as (fig, axes):
+        for ax, p in zip(axes.flat, panels, strict=False):
+            for i, (name, kinds) in enumerate(p["series"].items()):
+                for kind, ys in kinds.items():
+                    ls, marker, label = KIND_STYLES.get(kind, ("-.", "", kind))
+                    ax.plot(p["x"], ys, linestyle=ls, marker=marker or None, ms=3, color=COLORS[i % 10],
+                            label=f"{name}, {label}")
+            if hline is not None:
+                ax.axhline(hline, color="k", lw=0.7)
+            if p.get("logx"):
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel(p["xlabel"])
+            ax.set_ylabel(p["ylabel"])
+            ax.set_title(p["title"], fontsize=9)
+            ax.legend(fontsize=6)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return _save(fig, path)

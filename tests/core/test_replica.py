@@ -22,7 +22,7 @@ def chunk_scenario(budget):
 
 def max_gap(state):
     t = state.token_times
-    return max(b - a for a, b in zip(t, t[1:]))
+    return max(b - a for a, b in zip(t, t[1:], strict=False))
 
 
 def test_chunked_prefill_timeline_by_hand():
@@ -79,7 +79,8 @@ def test_timeouts_end_requests_and_free_blocks():
 
 
 def test_prompt_ids_outside_the_vocabulary_are_rejected():
-    reqs = [Request("bad", 0.0, 3, 2, prompt_token_ids=(1, 99, 2)), Request("ok", 0.0, 3, 2, prompt_token_ids=(1, 2, 3))]
+    reqs = [Request("bad", 0.0, 3, 2, prompt_token_ids=(1, 99, 2)),
+            Request("ok", 0.0, 3, 2, prompt_token_ids=(1, 2, 3))]
     res, _ = simulate(reqs, SarathiScheduler, vocab_size=50)
     by_id = {s.id: s for s in res.states}
     assert by_id["bad"].status is Status.REJECTED and "vocabulary" in by_id["bad"].reason
