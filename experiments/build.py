@@ -21,6 +21,7 @@ from sim.simulator import RunResult, Simulation
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BACKENDS = ("sim", "engine")
 LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")
+INT8_SCALE_BYTES = 4  # engine/attention.py keeps int8 KV scales in float32
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -51,7 +52,10 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
         raise ValueError(f"kv.block_size must be >= 1, got {kv.block_size}")
     if kv.num_blocks is not None:
         return int(kv.num_blocks)
-    per_block = arithmetic.kv_bytes_per_token(spec, kv_bits(cfg)) * kv.block_size
+    per_token = arithmetic.kv_bytes_per_token(spec, kv_bits(cfg))
+    if kv_bits(cfg) == 8:  # an int8 KV cache also stores one float32 scale per (token, head) for K and for V
+        per_token += 2 * spec.num_layers * spec.num_kv_heads * INT8_SCALE_BYTES
+    per_block = per_token * kv.block_size
     budget = kv.memory_bytes
     if budget is None:
         budget = hw.mem_bytes * kv.memory_fraction - arithmetic.weight_bytes(spec)

@@ -345,3 +345,35 @@ def measured_and_predicted_curves(panels: Sequence[Mapping], path: str | Path, t
             fig.suptitle(title)
         fig.tight_layout()
         return _save(fig, path)
+
+
+def decode_roofline(tables: Mapping[str, Mapping[str, np.ndarray]], path: str | Path, title: str = "") -> Path:
+    """Decode step time, throughput and the weight-read vs KV-read time split against batch size, one colour per
+    context length and one line style per table (e.g. roofline solid, measured dashed). A table holds columns
+    ``context``, ``batch``, ``step_s`` and optionally ``weights_s`` and ``kv_s`` (the roofline's op-group times)."""
+    styles = ("-", "--", ":", "-.")
+    with plt.rc_context(STYLE):
+        fig, axes = _grid(3)
+        for j, (name, t) in enumerate(tables.items()):
+            for i, ctx in enumerate(int(c) for c in np.unique(t["context"])):
+                sel = t["context"] == ctx
+                b, kw = t["batch"][sel], dict(color=COLORS[i % 10], linestyle=styles[j % 4], marker=".", ms=3)
+                axes[0].plot(b, t["step_s"][sel] * 1e3, label=f"{name}, ctx {ctx}", **kw)
+                axes[1].plot(b, b / t["step_s"][sel], label=f"{name}, ctx {ctx}", **kw)
+                if "kv_s" in t:
+                    axes[2].plot(b, t["kv_s"][sel] * 1e3, label=f"{name} KV reads, ctx {ctx}", **kw)
+            if "weights_s" in t:  # the same for every context
+                first = t["context"] == t["context"][0]
+                axes[2].plot(t["batch"][first], t["weights_s"][first] * 1e3, color="k", linestyle=styles[j % 4],
+                             label=f"{name} weight reads")
+        for ax, ylabel in zip(axes, ("decode step time (ms)", "decode throughput (tok/s)",
+                                     "time per step (ms)"), strict=True):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size (sequences)")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=6)
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return _save(fig, path)

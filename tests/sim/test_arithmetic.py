@@ -15,7 +15,7 @@ LLAMA3_8B = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256)
 LLAMA2_70B = ModelSpec("llama2_70b", 80, 8192, 64, 8, 128, 28672, 32000, dtype="float16")
 QWEN2_05B = ModelSpec("qwen2_0_5b", 24, 896, 14, 2, 64, 4864, 151936, architecture="qwen2",
                       tie_word_embeddings=True, attention_bias=True)
-TINY = ModelSpec("tiny", 4, 256, 8, 4, 32, 688, 4096, dtype="float32")
+TINY = ModelSpec("tiny", 4, 256, 8, 4, 32, 768, 4096, dtype="float32")
 
 
 @pytest.mark.parametrize(("spec", "published"), [
