@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from core.workload.base import check_float, check_int, plain
+from core.workload.base import check_float, check_int, kind_spec
 from core.workload.traces import read_trace
 
 _CHUNK = 1024
@@ -68,15 +68,7 @@ _KEYS = {"poisson": {"rate_rps"}, "gamma": {"rate_rps", "cv"}, "fixed": {"rate_r
 
 
 def make_arrivals(spec: Mapping[str, Any], key: str = "arrival") -> Arrivals:
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"workload.{key} must be a dict with 'kind' ({sorted(_KEYS)}), got {spec!r}")
-    spec = plain(spec)
-    kind = spec.pop("kind", None)
-    if kind not in _KEYS:
-        raise ValueError(f"workload.{key}.kind={kind!r}; allowed: {sorted(_KEYS)}")
-    unknown = sorted(set(spec) - _KEYS[kind])
-    if unknown:
-        raise ValueError(f"workload.{key}: unknown keys {unknown} for kind {kind}; allowed: {sorted(_KEYS[kind])}")
+    kind, spec = kind_spec(spec, key, _KEYS)
     if kind == "trace":
         if "path" not in spec:
             raise ValueError(f"workload.{key}.path is required for kind trace")

@@ -124,3 +124,17 @@ def draw_think(g: np.random.Generator, think_time_s: float, think: str) -> float
     if think == "fixed" or think_time_s == 0.0:
         return think_time_s
     return float(g.exponential(think_time_s))
+
+
+def kind_spec(spec: Any, key: str, kinds: Mapping[str, set[str]], what: str = "a dict") -> tuple[str, dict[str, Any]]:
+    """Split a ``{kind: ..., **params}`` config into the kind and its params, checking both."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"workload.{key} must be {what} with 'kind' ({sorted(kinds)}), got {spec!r}")
+    spec = plain(spec)
+    kind = spec.pop("kind", None)
+    if kind not in kinds:
+        raise ValueError(f"workload.{key}.kind={kind!r}; allowed: {sorted(kinds)}")
+    unknown = sorted(set(spec) - kinds[kind])
+    if unknown:
+        raise ValueError(f"workload.{key}: unknown keys {unknown} for kind {kind}; allowed: {sorted(kinds[kind])}")
+    return kind, spec

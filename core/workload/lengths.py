@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from core.workload.base import check_float, check_int, plain, resolve_path
+from core.workload.base import check_float, check_int, kind_spec, resolve_path
 
 _CHUNK = 1024  # draws per numpy call when streaming
 
@@ -67,15 +67,7 @@ def make_length(spec: Mapping[str, Any] | int, key: str, minimum: int = 1) -> Le
     """Build a length distribution from its config; ``key`` names it in error messages (e.g. ``prompt_len``)."""
     if isinstance(spec, int | np.integer) and not isinstance(spec, bool):
         spec = {"kind": "fixed", "value": int(spec)}
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"workload.{key} must be an int or a dict with 'kind' ({sorted(_KEYS)}), got {spec!r}")
-    spec = plain(spec)
-    kind = spec.pop("kind", None)
-    if kind not in _KEYS:
-        raise ValueError(f"workload.{key}.kind={kind!r}; allowed: {sorted(_KEYS)}")
-    unknown = sorted(set(spec) - _KEYS[kind])
-    if unknown:
-        raise ValueError(f"workload.{key}: unknown keys {unknown} for kind {kind}; allowed: {sorted(_KEYS[kind])}")
+    kind, spec = kind_spec(spec, key, _KEYS, "an int or a dict")
     if kind == "fixed":
         v = check_int(spec.get("value"), f"{key}.value", minimum)
         return LengthDist(kind, v, v, value=v)
