@@ -100,6 +100,7 @@ class Replica:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self._view = SchedulerView(self, 0.0)
+        self._last_hashed: tuple[Request | None, list[int]] = (None, [])
 
     @property
     def has_work(self) -> bool:
@@ -123,7 +124,7 @@ class Replica:
         if reason:
             self._end(state, Status.REJECTED, now, reason)
             return state
-        state.block_hashes = block_hashes(request, self.kv.block_size)
+        state.block_hashes = self._hashes(request)
         self.waiting.append(state)
         return state
 
@@ -220,5 +221,11 @@ class Replica:
 
     def cached_prefix_len(self, request: Request) -> int:
         """Tokens of ``request``'s prompt cached on this replica (pure lookup, for routers)."""
-        probe = RequestState(request, block_hashes=block_hashes(request, self.kv.block_size))
-        return self.kv.lookup(probe)
+        return self.kv.lookup(RequestState(request, block_hashes=self._hashes(request)))
+
+    def _hashes(self, request: Request) -> list[int]:
+        """Block hashes of a request, memoised for the last request seen: a router's lookup and the
+        following ``add`` of the same request hash its prompt once."""
+        if self._last_hashed[0] is not request:
+            self._last_hashed = (request, block_hashes(request, self.kv.block_size))
+        return self._last_hashed[1]
