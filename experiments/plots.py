@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from core.metrics import itl_samples  # noqa: E402
 from core.output import read_metrics, read_requests_csv, read_steps_csv, read_tokens_csv  # noqa: E402
@@ -181,6 +182,10 @@ def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np
                 ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
                 ax.set_xscale("log")
                 ax.set_yscale("log")
+                for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1-2-5 steps, not 10^k labels
+                    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                    axis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("measured step time (ms)")
             ax.set_ylabel("predicted step time (ms)")
             ax.set_title(name)

@@ -1,0 +1,227 @@
+"""`python -m experiments.compare`: one held-out workload through the engine and the calibrated simulator.
+
+The root config is the *held-out* workload. Each comparison writes into its output directory:
+
+1. ``engine/``: the engine run. With ``compare.train`` (overrides making a *training* workload) and no fixed
+   ``compare.calibration``, the training workload runs on the engine alongside it, the two taking turns step by
+   step (``experiments.runs.run_interleaved``) so that a shared machine's drift hits both alike; it stops when the
+   held-out run ends (``train/``).
+2. ``calibration/``: ``compare.calibration=<file>`` is used as given; otherwise ``experiments.calibrate`` fits the
+   profile grid (measured once, reused by every rate point) plus the training steps measured alongside.
+3. ``replay/``: the simulator with the engine's measured durations (``sim.cost.replay``). Its requests.csv and
+   tokens.csv must equal the engine's byte for byte: the logic error is zero and every remaining difference
+   below is the cost model's.
+4. ``sim/``: the simulator with the calibrated cost model (same config, seed and KV pool).
+5. ``latency_cdfs.png`` (engine vs sim), ``step_scatter.png`` (the model on the engine's own steps), ``errors.md``
+   / ``errors.json`` (relative error of each percentile, (sim - engine) / engine), ``compare.json``; with
+   ``compare.rates``, ``rates/<rate>/`` (a comparison per rate), ``rates.json`` and ``rate_curves.png``.
+
+A fixed calibration on many held-out workloads: ``python -m experiments.compare +sweep=heldout
+compare.calibration=<dir>/linear.yaml``. See docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from core.output import read_metrics
+from experiments.build import hardware_spec, model_spec
+from experiments.calibrate import calibrate, describe, group_of, run_profile
+from experiments.runs import apply_overrides, replay, run, run_interleaved, same_files, with_backend, with_calibration
+from sim.calibration import FitReport, load_calibration, predict, report, steps_from_csv
+
+METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+PERCENTILES = (50, 90, 99)
+
+
+def logic_check(cfg: DictConfig, engine_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Replay the engine run; zero logic error = identical requests.csv and tokens.csv."""
+    from sim.cost.replay import ReplayDivergence
+
+    try:
+        replay(cfg, engine_dir, out_dir)
+    except ReplayDivergence as e:
+        return {"identical": False, "divergence": str(e)}
+    files = same_files(engine_dir, out_dir)
+    return {"identical": all(files.values()), "files": files, "divergence": None}
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+def rel_error(predicted: float | None, reference: float | None) -> float | None:
+    if predicted is None or reference is None or reference == 0:
+        return None
+    return (predicted - reference) / reference
+
+
+def percentile_errors(reference: Mapping[str, Any], predicted: Mapping[str, Any], metrics: Sequence[str] = METRICS,
+                      percentiles: Sequence[int] = PERCENTILES) -> list[dict[str, Any]]:
+    """One row per (metric, percentile): reference (engine) value, predicted (sim) value, relative error."""
+    rows = []
+    for m in metrics:
+        for p in percentiles:
+            ref, pred = (reference.get(m) or {}).get(f"p{p}"), (predicted.get(m) or {}).get(f"p{p}")
+            rows.append({"metric": m, "percentile": f"p{p}", "engine": ref, "sim": pred,
+                         "rel_error": rel_error(pred, ref)})
+    for m in ("throughput_tok_s", "goodput_rps", "slo_attainment"):
+        rows.append({"metric": m, "percentile": "", "engine": reference.get(m), "sim": predicted.get(m),
+                     "rel_error": rel_error(predicted.get(m), reference.get(m))})
+    return rows
+
+
+def _num(v: float | None, pct: bool = False) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:+.1%}" if pct else f"{v:.4g}"
+
+
+def errors_markdown(rows: Sequence[Mapping[str, Any]], title: str = "sim vs engine") -> str:
+    lines = [f"### {title}", "", "| metric | percentile | engine | sim | rel. error (sim - engine) / engine |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['metric']} | {r['percentile']} | {_num(r['engine'])} | {_num(r['sim'])} | "
+              f"{_num(r['rel_error'], True)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def step_errors(cost_model: Any, run_dir: str | Path) -> tuple[FitReport, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The cost model priced on a run's own steps: report (R², relative errors per shape group) and
+    {group: (measured, predicted)} for a scatter."""
+    features, durations, _ = steps_from_csv(Path(run_dir) / "steps.csv")
+    keep = [i for i, d in enumerate(durations.tolist()) if d > 0]
+    features, y = [features[i] for i in keep], durations[keep]
+    labels = [group_of(f) for f in features]
+    p = predict(cost_model, features)
+    lab = np.asarray(labels, dtype=object)
+    return report(cost_model, features, y, labels), {g: (y[lab == g], p[lab == g]) for g in sorted(set(labels))}
+
+
+# ---- the whole comparison -----------------------------------------------------------------------------------
+def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> dict[str, Any]:
+    """One comparison point: the engine run (alongside the training run when calibrating here with
+    ``compare.train``), the calibration, the replay check, the simulation, the errors and (``plots_too``) figures."""
+    c = cfg.compare
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    engine_cfg = with_backend(cfg, "engine")
+    summary: dict[str, Any] = {"held_out": {"workload": cfg.workload.get("_target_"),
+                                            "scheduler": cfg.scheduler.get("_target_")}}
+    stages, extra = ["engine"], []
+    if c.train and not c.calibration:  # the training run goes step by step in turn with the held-out one
+        train_cfg = apply_overrides(engine_cfg, list(c.train))
+        runs = run_interleaved({"engine": engine_cfg, "train": train_cfg},
+                               {"engine": out / "engine", "train": out / "train"}, primary="engine")
+        engine = runs["engine"]
+        stages.append("train")
+        extra.append((out / "train", runs["train"]["paired_steps"]))  # only the steps measured alongside
+        summary["paired_steps"] = {k: v["paired_steps"] for k, v in runs.items()}
+    else:
+        engine = run(engine_cfg, out / "engine")
+    if c.calibration:
+        cal_path = Path(c.calibration)
+        summary["calibration"] = {"path": str(cal_path.resolve()), "fitted_here": False}
+    else:
+        cal = calibrate(engine_cfg, out / "calibration", extra_steps=extra)
+        cal_path = cal.path(c.fit)
+        summary["calibration"] = {"path": str(cal_path.resolve()), "fitted_here": True, "train": list(c.train or []),
+                                  "fit": {k: r.to_dict() for k, r in cal.reports.items()}, "text": describe(cal)}
+    cost_model = load_calibration(cal_path, model_spec(cfg), hardware_spec(cfg))
+    # median signed relative error of the model on each engine run's steps: the training run's is the fit's own
+    summary["step_bias"] = {s: step_errors(cost_model, out / s)[0].median_signed_rel_error for s in stages}
+    if c.replay:
+        summary["logic"] = logic_check(cfg, out / "engine", out / "replay")
+    sim = run(with_calibration(cfg, cal_path), out / "sim")
+    rows = percentile_errors(engine, sim, list(c.metrics), list(c.percentiles))
+    summary["errors"] = rows
+    (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "errors.md").write_text(errors_markdown(rows))
+    steps_report, scatter = step_errors(cost_model, out / "engine")
+    summary["held_out_steps"] = steps_report.to_dict()
+    summary["engine_clock"] = engine.get("engine_clock")
+    summary["wall_s"] = {"engine": engine.get("wall_s"), "sim": sim.get("wall_s")}
+    summary["metrics"] = {"engine": _headline(engine), "sim": _headline(sim)}
+    summary["plots"] = {}
+    if plots_too:
+        from experiments import plots
+
+        runs = {"engine": plots.load_run(out / "engine"), "sim (calibrated)": plots.load_run(out / "sim")}
+        summary["plots"] = {
+            "latency_cdfs": str(plots.latency_cdfs(runs, out / "latency_cdfs.png", "held-out workload: engine vs sim")),
+            "step_scatter": str(plots.predicted_vs_measured(
+                {f"calibrated model, held-out engine steps (R² {steps_report.r2:.3f})": scatter},
+                out / "step_scatter.png"))}
+    return summary
+
+
+def _headline(m: Mapping[str, Any]) -> dict[str, Any]:
+    return {"ttft_p50": m["ttft_s"]["p50"], "ttft_p90": m["ttft_s"]["p90"], "tpot_p50": m["tpot_s"]["p50"],
+            "tpot_p90": m["tpot_s"]["p90"], "goodput_rps": m["goodput_rps"], "slo_attainment": m["slo_attainment"],
+            "throughput_tok_s": m["throughput_tok_s"]}
+
+
+def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+    """The held-out comparison, then (``compare.rates``) the same at each request rate: on the engine each rate
+    point is its own comparison (with its own training run alongside when calibrating here; the profile is
+    measured once and reused), or with ``compare.rate_backends=[sim]`` only simulated with the main calibration."""
+    c = cfg.compare
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    unknown = sorted(set(c.rate_backends) - {"sim", "engine"})
+    if unknown or not c.rate_backends:
+        raise ValueError(f"compare.rate_backends={list(c.rate_backends)}; allowed: [sim, engine] or [sim]")
+    if not c.calibration and cfg.calibrate.profile and not cfg.calibrate.get("profile_from"):
+        profile_csv = run_profile(with_backend(cfg, "engine"), out / "calibration")
+        cfg = apply_overrides(cfg, [f"calibrate.profile_from={profile_csv}"])
+    summary = evaluate(cfg, out)
+    if c.rates:
+        if OmegaConf.select(cfg, c.rate_key) is None:
+            raise ValueError(f"compare.rate_key={c.rate_key!r} is not a key of this workload "
+                             f"({cfg.workload.get('_target_')}); set compare.rate_key or compare.rates=[]")
+        curves: dict[str, dict[float, dict[str, Any]]] = {}
+        base = ["compare.rates=[]"] + ([f"workload.num_requests={c.rate_num_requests}"] if c.rate_num_requests else [])
+        for r in map(float, c.rates):
+            point_cfg = apply_overrides(cfg, [*base, f"{c.rate_key}={r!r}"])
+            d = out / "rates" / f"{r:g}"
+            if "engine" in c.rate_backends:
+                evaluate(point_cfg, d, plots_too=False)
+                for label in ("engine", "sim"):
+                    curves.setdefault(label, {})[r] = read_metrics(d / label / "metrics.json")
+            else:
+                curves.setdefault("sim", {})[r] = run(with_calibration(point_cfg, summary["calibration"]["path"]),
+                                                      d / "sim")
+        (out / "rates.json").write_text(json.dumps({k: {str(r): m for r, m in v.items()} for k, v in curves.items()},
+                                                   indent=2, sort_keys=True) + "\n")
+        from experiments import plots
+
+        xlabel = "request rate (req/s)" if c.rate_key == "workload.arrival.rate_rps" else c.rate_key
+        summary["plots"]["rate_curves"] = str(plots.rate_curves(curves, out / "rate_curves.png", xlabel=xlabel))
+        summary["rates"] = {label: {str(r): _headline(m) for r, m in v.items()} for label, v in curves.items()}
+    summary["total_wall_s"] = time.perf_counter() - t0
+    (out / "compare.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    return summary
+
+
+@hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    summary = compare(cfg, out)
+    if "text" in summary["calibration"]:
+        print(summary["calibration"]["text"])
+    logic = summary.get("logic")
+    if logic is not None:
+        print("replay of the engine's step times:", "identical (logic error 0)" if logic["identical"]
+              else f"DIFFERS: {logic['divergence'] or logic['files']}")
+    print(errors_markdown(summary["errors"]))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

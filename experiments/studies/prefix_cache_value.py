@@ -1,0 +1,87 @@
+"""prefix_cache_value: cache off / on from cold / on after warm-up, per workload.
+
+The same measured requests in all three: ``off`` and ``warm`` run the warm-up requests first (flagged warmup,
+excluded from metrics); ``cold`` replays only the measured requests, at the same arrival times, on an empty cache.
+Groups for the TTFT comparison are fixed by the warm run (did the request hit, which prompt-length bucket) and
+compared request by request across the three runs (from each run's requests.csv).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+
+from core.metrics import bucket_labels, percentile
+from experiments import plots
+from experiments.studies.common import Report, backends, fmt, run_variants, slug
+
+MODES = ("off", "cold", "warm")
+PREFIX = [("request_hit_rate", "request hit rate", 1.0), ("token_reuse_rate", "token reuse rate", 1.0),
+          ("prefill_work_saved", "prefill work saved", 1.0), ("ttft_s.p50", "TTFT p50 (s)", 1.0),
+          ("ttft_s.p99", "TTFT p99 (s)", 1.0), ("goodput_rps", "goodput (req/s)", 1.0)]
+
+
+def variants(name: str, warmup: int) -> dict[str, list[str]]:
+    wl = f"study.workloads.{name}"
+    return {"off": [f"workload=${{{wl}}}", f"{wl}.warmup_requests={warmup}", "kv.prefix_caching=false"],
+            "cold": ["workload=${study.window}", f"study.window.inner=${{{wl}}}", f"study.window.skip={warmup}",
+                     "kv.prefix_caching=true"],
+            "warm": [f"workload=${{{wl}}}", f"{wl}.warmup_requests={warmup}", "kv.prefix_caching=true"]}
+
+
+def group_ttfts(run_dirs: dict[str, Path], edges: list[int], method: str) -> list[list]:
+    """Rows: group (hit/miss in the warm run x prompt bucket), count, TTFT p50 per mode, warm vs off change."""
+    data = {k: plots.load_run(d) for k, d in run_dirs.items()}
+    warm = data["warm"].requests
+    keep = (warm["status"] == "FINISHED") & ~warm["warmup"]
+    ids, hit = warm["id"][keep], warm["cached_tokens"][keep] > 0
+    bucket = np.searchsorted(np.asarray(edges), warm["prompt_tokens"][keep], side="right")
+    ttft = {}
+    for mode, run in data.items():
+        r = run.requests
+        ttft[mode] = dict(zip(r["id"][r["status"] == "FINISHED"].tolist(),
+                              r["ttft_s"][r["status"] == "FINISHED"].astype(float).tolist(), strict=True))
+    rows = []
+    for is_hit in (True, False):
+        for b, label in enumerate(bucket_labels(edges)):
+            members = ids[(hit == is_hit) & (bucket == b)].tolist()
+            if not members:
+                continue
+            p50 = {m: percentile([ttft[m][i] for i in members if i in ttft[m]], 50, method) for m in MODES}
+            change = None if not p50["off"] or p50["warm"] is None else p50["warm"] / p50["off"] - 1
+            rows.append([f"{'hit' if is_hit else 'miss'} {label}", len(members), *(fmt(p50[m]) for m in MODES),
+                         "n/a" if change is None else f"{change:+.1%}"])
+    return rows
+
+
+def run(cfg: DictConfig, out: Path) -> Report:
+    edges = [int(e) for e in cfg.metrics.prompt_len_edges]
+    rep = Report("Prefix cache value: off / cold / warm")
+    rep.text(f"Model {cfg.model.name} on {cfg.hardware.name}, {cfg.replicas} replica(s), KV pool sized from memory. "
+             "The same measured requests in every mode; warm-up requests run first and are excluded. Request hit "
+             "rate = requests with a cached prefix / requests; token reuse = cached / prompt tokens; prefill work "
+             "saved = sum C(h) / sum C(n), C(n) = a n + b n(n+1)/2 with the model's FLOPs.")
+    bars = {}
+    for backend, c in backends(cfg).items():
+        for name in c.study.workloads:
+            d = out / slug(backend) / name
+            runs = run_variants(c, variants(name, int(c.study.warmup[name])), d)
+            warm, src = runs["warm"], f"{slug(backend)}/{name}/warm/metrics.json"
+            saved = rep.number(f"{backend}.{name}.warm.prefill_work_saved", warm["prefill_work_saved"],
+                               src + ":prefill_work_saved")
+            rep.text(f"## {name} ({backend})",
+                     f"Warm cache: request hit rate {fmt(warm['request_hit_rate'])}, token reuse "
+                     f"{fmt(warm['token_reuse_rate'])}, **prefill work saved {saved}**; TTFT p50 "
+                     f"{fmt(runs['off']['ttft_s']['p50'])} s off -> {fmt(runs['cold']['ttft_s']['p50'])} s cold -> "
+                     f"{fmt(warm['ttft_s']['p50'])} s warm ({warm['num_requests']} measured requests, "
+                     f"{warm['num_warmup']} warm-up).")
+            rep.metric_table(runs, PREFIX, first="cache")
+            rep.text("TTFT p50 (s) per group; groups from the warm run (hit = it reused a cached prefix):")
+            rep.table(["group", "requests", *(f"{m} p50" for m in MODES), "warm vs off"],
+                      group_ttfts({m: d / m for m in MODES}, edges, cfg.metrics.percentile_method))
+            bars.update({f"{name} {m} ({backend})" if backend != "sim" else f"{name} {m}": v for m, v in runs.items()})
+    fig = plots.metric_bars(bars, PREFIX, out / "prefix_cache_value.png")
+    rep.figure(fig, "Hit rate, token reuse and work saved tell different stories; TTFT and goodput per mode")
+    return rep
