@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 run: venv
-	$(BIN)/python -m experiments.run $(ARGS)
+	$(BIN)/python -m experiments.pipeline $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q -n 2 $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
