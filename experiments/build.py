@@ -5,6 +5,7 @@ Plugins are instantiated once per run (one scheduler and eviction policy per rep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,23 +121,30 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
     raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
 
 
-def run(cfg: DictConfig, out_dir: str | Path) -> dict:
-    """Run one experiment and write the DESIGN section 8 files into ``out_dir``; returns metrics."""
-    from core.metrics import summarize
-    from core.output import write_run
+def simulation(cfg: DictConfig, make_executors: Callable[[list[Replica]], list[Executor]] | None = None,
+               replicas: list[Replica] | None = None) -> Simulation:
+    """The driver for ``cfg``: its replicas, router and workload, with executors from the backend (or from
+    ``make_executors(replicas)``, e.g. a replay of recorded step times)."""
     from core.workload import build_workload
 
     spec = model_spec(cfg)
-    hw = hardware_spec(cfg)
-    replicas = build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hw))
-    executors = build_executors(cfg, spec, replicas)
-    router = _instantiate(cfg.router, "router")
-    workload = build_workload(cfg.workload)
-    result: RunResult = Simulation(replicas, executors, router, workload,
-                                   progress=_progress(cfg.output.progress)).run()
+    if replicas is None:
+        replicas = build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hardware_spec(cfg)))
+    executors = make_executors(replicas) if make_executors else build_executors(cfg, spec, replicas)
+    return Simulation(replicas, executors, _instantiate(cfg.router, "router"), build_workload(cfg.workload),
+                      progress=_progress(cfg.output.progress))
+
+
+def write_results(cfg: DictConfig, result: RunResult, out_dir: str | Path, backend: str | None = None,
+                  extra: dict[str, Any] | None = None) -> dict:
+    """Metrics and the DESIGN section 8 files (plus outputs.jsonl for the engine, plots if enabled)."""
+    from core.metrics import summarize
+    from core.output import write_run
+
+    spec = model_spec(cfg)
     metrics = summarize(result.states, **metrics_options(cfg, spec))
-    metrics.update(backend=cfg.backend.name, wall_s=result.wall_s, num_steps=len(result.steps),
-                   sim_s_per_wall_s=result.end_s / result.wall_s if result.wall_s > 0 else None)
+    metrics.update(backend=backend or cfg.backend.name, wall_s=result.wall_s, num_steps=len(result.steps),
+                   sim_s_per_wall_s=result.end_s / result.wall_s if result.wall_s > 0 else None, **(extra or {}))
     out = Path(out_dir)
     write_run(out, result.states, result.steps, metrics)
     if cfg.backend.name == "engine":
@@ -148,6 +156,11 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict:
 
         plots.plot_run(out)
     return metrics
+
+
+def run(cfg: DictConfig, out_dir: str | Path) -> dict:
+    """Run one experiment and write the DESIGN section 8 files into ``out_dir``; returns metrics."""
+    return write_results(cfg, simulation(cfg).run(), out_dir)
 
 
 def _progress(setting: Any) -> bool:

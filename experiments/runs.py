@@ -25,9 +25,10 @@ from experiments.build import (
     build_executors,
     build_replicas,
     hardware_spec,
-    metrics_options,
     model_spec,
     num_kv_blocks,
+    simulation,
+    write_results,
 )
 from experiments.build import run as run_config
 from sim.cost.replay import replay_executors
@@ -146,15 +147,8 @@ def _replicas(cfg: DictConfig) -> list[Replica]:
 
 def _simulation(cfg: DictConfig, make: Callable[[list[Replica]], list[Executor]],
                 replicas: list[Replica] | None = None):
-    """The Simulation ``build.run`` would make for ``cfg``, with executors from ``make(replicas)``."""
-    from hydra.utils import instantiate
-
-    from core.workload import build_workload
-    from sim.simulator import Simulation
-
-    replicas = _replicas(cfg) if replicas is None else replicas
-    executors = make(replicas)
-    return Simulation(replicas, executors, instantiate(cfg.router), build_workload(cfg.workload)), executors
+    sim = simulation(cfg, make, replicas)
+    return sim, sim.executors
 
 
 def _shared_executors(cfgs: Mapping[str, DictConfig],
@@ -177,21 +171,15 @@ def _shared_executors(cfgs: Mapping[str, DictConfig],
 
 def _write(cfg: DictConfig, result, executors: Sequence[Executor], out_dir: str | Path,
            backend_label: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    from core.metrics import summarize
-    from core.output import write_run
-
     for ex in executors:
         check = getattr(ex, "check_done", None)
         if check is not None:
             check()
-    metrics = summarize(result.states, **metrics_options(cfg, model_spec(cfg)))
-    metrics.update(backend=backend_label, wall_s=result.wall_s, num_steps=len(result.steps))
+    extra = dict(extra or {})
     if backend_label == "engine":
-        metrics["engine_clock"] = engine_clock(cfg)
-    metrics.update(extra or {})
-    out = Path(out_dir)
-    write_run(out, result.states, result.steps, metrics)
-    save_config(cfg, out)
+        extra["engine_clock"] = engine_clock(cfg)
+    metrics = write_results(cfg, result, out_dir, backend_label, extra)
+    save_config(cfg, Path(out_dir))
     return metrics
 
 
