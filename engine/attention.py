@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from core.specs import ModelSpec
+from kernels.attention import AttentionPlan
 
 KV_DTYPES = ("auto", "int8")
 INT8_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head), as kernels.kv_store writes them
@@ -22,6 +23,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
     max_query_len: int
     max_seq_len: int
+    plan: AttentionPlan | None = None  # torch backend: the step's attention split, shared by every layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +40,9 @@ def paged_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k, v [T, Hkv, D] in the cache, then attend q [T, H, D] over the cached context."""
     kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    extra = {} if meta.plan is None else {"plan": meta.plan, "k": k, "v": v}
     return kernels.attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                             cache.k_scale, cache.v_scale)
+                             cache.k_scale, cache.v_scale, **extra)
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:

@@ -19,6 +19,7 @@ from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler
+from kernels.attention import DecodeCache, paged_attention_torch, plan_attention
 from kernels.ops import KernelSet, get_kernels
 
 PROMPT_CACHE_PRUNE_MIN = 1024  # prompt-cache size at which finished requests are swept out
@@ -50,6 +51,11 @@ class ModelRunner:
         self.sampler = sampler or Sampler(seed=seed, device=self.device)
         self.seed = seed
         self.max_positions = model.cos_sin.shape[0]
+        # torch attention: one plan per step for all layers; on CPU, decodes also keep their K/V between steps
+        self._plan_attention = self.kernels.attention is paged_attention_torch
+        k = kv_caches[0].k
+        self._decode_cache = DecodeCache(2 * k.shape[2] * k.shape[3] * 4) \
+            if self._plan_attention and self.device.type == "cpu" else None
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
 
@@ -124,14 +130,11 @@ class ModelRunner:
 
         dev = self.device
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(slots),
-            query_start_loc=to_dev(qsl),
-            seq_lens=to_dev((starts_a + lens_a).astype(np.int32)),
-            block_tables=to_dev(tables),
-            max_query_len=max(lens),
-            max_seq_len=max_seq_len,
-        )
+        qsl_t, seq_lens_t, tables_t = to_dev(qsl), to_dev((starts_a + lens_a).astype(np.int32)), to_dev(tables)
+        plan = None
+        if self._plan_attention:
+            plan = plan_attention(tables_t, seq_lens_t, qsl_t, bs, self._decode_cache)
+        meta = AttentionMetadata(to_dev(slots), qsl_t, seq_lens_t, tables_t, max(lens), max_seq_len, plan)
         return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a))
 
     @torch.inference_mode()
@@ -140,8 +143,9 @@ class ModelRunner:
         if batch.empty:
             return []
         inputs = self.prepare(batch, block_table)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
+                            rows=inputs.logits_rows)
         if inputs.logits_rows.numel() == 0:
             return []
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        logits = self.model.compute_logits(hidden)
         return self.sampler(logits).tolist()

@@ -14,7 +14,7 @@ from experiments.build import run
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
+def _main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",
@@ -37,6 +37,10 @@ def checkpoint_paths_to_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-if __name__ == "__main__":
+def main() -> None:
     sys.argv[1:] = checkpoint_paths_to_overrides(sys.argv[1:])
+    _main()
+
+
+if __name__ == "__main__":
     main()

@@ -8,6 +8,9 @@ attends to keys at positions <= its own; query head h reads kv head h // (H // H
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,71 +42,238 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale
     return quantised
 
 
-def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, dtype) -> torch.Tensor:
-    """Cache rows of `blocks` ([..., nb]) -> [..., nb * block_size, Hkv, D] in `dtype` (dequantised if int8)."""
-    x = cache[blocks]
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype) -> torch.Tensor:
+    """Cache rows at `slots` (int64 [n]) -> [n, Hkv, D] in `dtype` (dequantised if int8)."""
+    x = cache.flatten(0, 1).index_select(0, slots)  # a view of the cache when it is contiguous, as the store needs
     if scale is not None:
-        x = x.float() * scale[blocks].unsqueeze(-1)
-    x = x.to(dtype)
-    return x.reshape(*blocks.shape[:-1], -1, *cache.shape[2:])
+        x = x.float() * scale.flatten(0, 1).index_select(0, slots).unsqueeze(-1)
+    return x.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillGroup:
+    """Consecutive sequences with the same query length (> 1) and context length, attended in one batched SDPA."""
+
+    q_start: int  # first query row of the group; its sequences' rows follow each other
+    num_seqs: int
+    q_len: int
+    seq_len: int
+    slots: torch.Tensor  # int64 [num_seqs * seq_len]: cache slot of every context position
+    mask: torch.Tensor | None  # bool [q_len, seq_len], causal shifted by the cached prefix; None: no prefix
+
+
+DECODE_CACHE_HEADROOM = 32  # most tokens a rebuilt DecodeCache leaves each sequence to grow into
+DECODE_CACHE_MAX_BYTES = 32 << 20  # per layer (K and V); bigger decode batches gather every step instead
+
+
+class DecodeCache:
+    """Contiguous copies [Nd, capacity, Hkv, D] of the decoding sequences' K/V, kept from one step to the next.
+
+    Paged decode attention gathers every sequence's whole context out of its blocks, in every layer and step, and
+    on CPU that copy costs about as much as the attention itself. When a step decodes the same sequences as the
+    previous step, in the same order, each one token longer and on the same blocks, the copies only lack the token
+    just stored: appending it replaces the gather. Any other step rebuilds the copies from the paged cache (the
+    blocks stay the truth; this is a cache of them). Owned by one runner; its plans carry it to every layer.
+    """
+
+    def __init__(self, bytes_per_token: int, max_bytes: int = DECODE_CACHE_MAX_BYTES) -> None:
+        """``bytes_per_token``: one token's K and V in one layer, in the dtype attention computes in."""
+        self.max_tokens = max_bytes // bytes_per_token
+        # k_cache.data_ptr() -> (K, V, step): a layer's copies and the step they are up to date with
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.step = 0  # counts plans; a layer appends only onto copies it brought up to date one step earlier
+        self.lens = self.tables = np.zeros((0, 0), dtype=np.int64)  # the last step's decodes: lengths, blocks
+        self.capacity = 0
+        self.run = 0  # steps appended since the last rebuild
+        self.appends = self.rebuilds = 0  # totals, for tests and benchmarks
+
+    def advance(self, lens: np.ndarray, tables: np.ndarray, block_size: int) -> bool | None:
+        """Record this step's decodes: int64 context lengths [Nd] and block-table rows [Nd, W]. True: append to
+        the copies, False: rebuild them (capacity updated), None: too big to keep, gather instead."""
+        prev_lens, prev_tables, self.lens, self.tables = self.lens, self.tables, lens, tables
+        self.step += 1
+        if len(prev_lens) == len(lens) and lens.max() <= self.capacity and (lens == prev_lens + 1).all():
+            w = min(prev_tables.shape[1], tables.shape[1])
+            held = np.arange(w)[None, :] < -(-prev_lens[:, None] // block_size)  # blocks of the last context
+            if ((tables[:, :w] == prev_tables[:, :w]) | ~held).all():
+                self.run += 1
+                self.appends += 1
+                return True
+        self.layers.clear()
+        # Room to grow, sized on how long the last batch lasted: a batch that changes every step gathers little
+        # more than its contexts; a stable one rebuilds every DECODE_CACHE_HEADROOM steps.
+        self.capacity = int(lens.max()) + min(DECODE_CACHE_HEADROOM, 2 * self.run + 2)
+        self.run = 0
+        if len(lens) * self.capacity > self.max_tokens:
+            self.capacity = 0
+            return None
+        self.rebuilds += 1
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """paged_attention_torch's work split for one step. It depends only on the step's metadata, not on the layer,
+    so the engine builds it once per step (plan_attention) and every layer reuses it."""
+
+    block_size: int
+    num_tokens: int  # query_start_loc[-1]; output rows past it stay zero
+    prefills: tuple[PrefillGroup, ...]
+    decode_rows: torch.Tensor | None  # int64 [Nd]: the query row of each single-token sequence
+    decode_slots: torch.Tensor | None  # int64 [Nd * width]; padding repeats the sequence's first slot (finite data)
+    decode_mask: torch.Tensor | None  # bool [Nd, 1, 1, Lmax]: True on real context positions; None: no padding
+    all_decode: bool  # every sequence decodes, rows in order: the decode output is the whole output
+    decode_len: int = 0  # Lmax, the longest decode context; width is Lmax, or the DecodeCache capacity
+    decode_cache: DecodeCache | None = None
+    decode_append: torch.Tensor | None = None  # int64 [Nd]: flat DecodeCache row of each new token; None: rebuild
+    decode_new_slots: torch.Tensor | None = None  # int64 [Nd]: cache slot of each new token
+    decode_step: int = 0  # the DecodeCache step this plan brings the copies to
+
+
+def _context_slots(bt: np.ndarray, length: int, block_size: int) -> np.ndarray:
+    """int64 [len(bt), length]: cache slots of positions 0..length-1 of each block-table row (positions past the
+    table's width land in its last column; callers mask or redirect them)."""
+    pos = np.arange(length)
+    return bt[:, np.minimum(pos // block_size, bt.shape[1] - 1)] * block_size + pos % block_size
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int, decode_cache: DecodeCache | None = None) -> AttentionPlan:
+    """Split a step into batched prefill groups and one padded decode batch, with their cache slots and masks.
+    With ``decode_cache`` (consecutive steps of one runner), decodes read its copies instead of gathering.
+    Host-side work on small index arrays, so numpy (far cheaper per op than torch); results go to the device."""
+    dev = block_tables.device
+    to_dev = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev)
+    starts = query_start_loc.cpu().numpy().astype(np.int64)
+    lens = seq_lens.cpu().numpy().astype(np.int64)
+    q_lens = starts[1:] - starts[:-1]
+    bad = np.flatnonzero(q_lens > lens)
+    if bad.size:
+        raise ValueError(f"sequence {bad[0]}: query length {q_lens[bad[0]]} exceeds seq_len {lens[bad[0]]}")
+    # Entries past a sequence's blocks may be -1 or junk: only slots of real positions are ever read (padding is
+    # redirected below), so they need no cleaning.
+    bt = block_tables.cpu().numpy().astype(np.int64)
+    runs: list[list] = []  # [q_start, q_len, seq_len, seq indices]: consecutive prefills alike
+    for s in np.flatnonzero(q_lens > 1).tolist():
+        q_start, q_len, seq_len = int(starts[s]), int(q_lens[s]), int(lens[s])
+        last = runs[-1] if runs else None
+        if last and (last[1], last[2]) == (q_len, seq_len) and last[0] + len(last[3]) * q_len == q_start:
+            last[3].append(s)
+        else:
+            runs.append([q_start, q_len, seq_len, [s]])
+    prefills = []
+    for q_start, q_len, seq_len, seqs in runs:
+        mask = None
+        if q_len < seq_len:  # causal, shifted by the cached prefix
+            mask = to_dev(np.arange(seq_len)[None, :] <= np.arange(seq_len - q_len, seq_len)[:, None])
+        prefills.append(PrefillGroup(q_start, len(seqs), q_len, seq_len,
+                                     to_dev(_context_slots(bt[seqs], seq_len, block_size).reshape(-1)), mask))
+    decodes = np.flatnonzero(q_lens == 1)
+    nd = decodes.size
+    rows = slots = mask = append = new_slots = None
+    max_len = 0
+    if nd:
+        dec_lens, tables = lens[decodes], bt[decodes]
+        max_len = int(dec_lens.max())
+        width, cached = max_len, None
+        if decode_cache is not None:
+            cached = decode_cache.advance(dec_lens, tables, block_size)
+            if cached is None:
+                decode_cache = None
+            else:
+                width = decode_cache.capacity
+        slots = _context_slots(tables, width, block_size)
+        last = dec_lens - 1  # position of each decode's new token
+        valid = np.arange(width)[None, :] <= last[:, None]
+        if cached:
+            append = to_dev(np.arange(nd) * width + last)
+            new_slots = to_dev(slots[np.arange(nd), last])
+        # Padding points at a slot the sequence owns: a masked key then weighs 0 against finite values, never
+        # junk (even NaN) from an unowned slot, which 0 * NaN would leak.
+        slots = to_dev(np.where(valid, slots, slots[:, :1]).reshape(-1))
+        rows = to_dev(starts[decodes])
+        if dec_lens.min() < max_len:
+            mask = to_dev(np.ascontiguousarray(valid[:, None, None, :max_len]))
+    else:
+        decode_cache = None
+    all_decode = nd == len(lens) and starts[-1] == nd
+    return AttentionPlan(block_size, int(starts[-1]), tuple(prefills), rows, slots, mask, all_decode, max_len,
+                         decode_cache, append, new_slots, decode_cache.step if decode_cache else 0)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                           scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, *, max_query_len: int | None = None,
-                          max_seq_len: int | None = None) -> torch.Tensor:
-    """Reference (and CPU fast path): SDPA per prefill sequence, one padded batched SDPA for all decodes.
+                          max_seq_len: int | None = None, plan: AttentionPlan | None = None,
+                          k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference (and CPU fast path): one SDPA per group of like prefills, one padded SDPA for all decodes.
 
-    max_query_len / max_seq_len are accepted (and ignored) so both backends can be called the same way.
+    ``plan``: plan_attention's result for these block_tables / seq_lens / query_start_loc (built here when None).
+    ``k``, ``v``: this step's keys / values [T, Hkv, D] as just stored; when given, prefills without a cached
+    prefix attend to them directly instead of reading them back (not for int8 caches, which attention must see
+    quantised). max_query_len / max_seq_len are accepted (and ignored) so both backends can be called the same way.
     """
     quantised = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
     if not quantised:
         k_scale = v_scale = None
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    gqa = num_heads != num_kv_heads
     block_size = k_cache.shape[1]
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size)
+    elif plan.block_size != block_size:
+        raise ValueError(f"plan was built for block_size {plan.block_size}, the cache has {block_size}")
+    direct = k is not None and v is not None and not quantised
+    if direct and (k.shape != v.shape or k.shape != (q.shape[0], *k_cache.shape[2:])):
+        raise ValueError(f"k and v must be [T, Hkv, D] = {(q.shape[0], *k_cache.shape[2:])}; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    T, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    gqa = Hkv != H
     # fp16/bf16 SDPA on CPU is slow and less accurate; compute in fp32 there.
     cdtype = torch.float32 if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    out = torch.zeros_like(q)  # rows past query_start_loc[-1] stay zero
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    for s, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
-        if q_len > seq_len:
-            raise ValueError(f"sequence {s}: query length {q_len} exceeds seq_len {seq_len}")
-    bt = block_tables.long().clamp(0, k_cache.shape[0] - 1)  # padding entries may be -1 or junk
-    decodes = [s for s, n in enumerate(q_lens) if n == 1]
 
-    for s, (q_start, q_len, seq_len) in enumerate(zip(starts, q_lens, lens, strict=False)):
-        if q_len <= 1:  # decodes are batched below
-            continue
-        blocks = bt[s, : -(-seq_len // block_size)]
-        k = _gather(k_cache, k_scale, blocks, cdtype)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-        v = _gather(v_cache, v_scale, blocks, cdtype)[:seq_len].transpose(0, 1)
-        qs = q[q_start: q_start + q_len].to(cdtype).transpose(0, 1)  # [H, q_len, D]
-        if q_len == seq_len:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:  # causal with the diagonal shifted by the cached prefix length
-            qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[q_start: q_start + q_len] = o.transpose(0, 1).to(q.dtype)
-
-    if decodes:
-        idx = torch.tensor(decodes, device=q.device)
-        dec_lens = seq_lens.to(q.device).long()[idx]
-        max_len = max(lens[s] for s in decodes)
-        blocks = bt[idx, : -(-max_len // block_size)]
-        valid = torch.arange(max_len, device=q.device)[None, :] < dec_lens[:, None]  # [Nd, Lmax]
-        # Zero keys/values past each context: junk (even NaN) there must not leak through 0 * NaN.
-        pad = ~valid[:, :, None, None]
-        k = _gather(k_cache, k_scale, blocks, cdtype)[:, :max_len].masked_fill_(pad, 0).transpose(1, 2)
-        v = _gather(v_cache, v_scale, blocks, cdtype)[:, :max_len].masked_fill_(pad, 0).transpose(1, 2)
-        q_rows = query_start_loc.to(q.device).long()[idx]
-        qs = q[q_rows].to(cdtype).unsqueeze(2)  # [Nd, H, 1, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=gqa)
-        out[q_rows] = o.squeeze(2).to(q.dtype)
+    if plan.all_decode and plan.num_tokens == T and T > 0:
+        return _decode(q, k_cache, v_cache, k_scale, v_scale, plan, scale, cdtype).to(q.dtype)
+    out = torch.empty_like(q)
+    out[plan.num_tokens:] = 0
+    for g in plan.prefills:
+        n, rows = g.num_seqs, slice(g.q_start, g.q_start + g.num_seqs * g.q_len)
+        qs = q[rows].to(cdtype).reshape(n, g.q_len, H, D).transpose(1, 2)
+        if direct and g.mask is None:
+            ks, vs = (x[rows].to(k_cache.dtype).to(cdtype) for x in (k, v))
+        else:
+            ks, vs = _gather(k_cache, k_scale, g.slots, cdtype), _gather(v_cache, v_scale, g.slots, cdtype)
+        ks, vs = (x.reshape(n, g.seq_len, Hkv, D).transpose(1, 2) for x in (ks, vs))
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, is_causal=g.mask is None, scale=scale,
+                                           enable_gqa=gqa)
+        out[rows] = o.transpose(1, 2).reshape(-1, H, D)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = _decode(q, k_cache, v_cache, k_scale, v_scale, plan, scale, cdtype).to(q.dtype)
     return out
+
+
+def _decode(q, k_cache, v_cache, k_scale, v_scale, plan: AttentionPlan, scale: float, cdtype) -> torch.Tensor:
+    """All single-token queries as one padded SDPA -> [Nd, H, D]. The G query heads sharing a kv head act as G
+    query rows of that head (no causal structure within a decode), so SDPA runs plain multi-head, no GQA."""
+    H, D = q.shape[1:]
+    Hkv = k_cache.shape[2]
+    rows = plan.decode_rows
+    qs = q.reshape(-1, Hkv, H // Hkv, D) if plan.all_decode else q.index_select(0, rows).view(-1, Hkv, H // Hkv, D)
+    nd = qs.shape[0]
+    dc, key = plan.decode_cache, k_cache.data_ptr()
+    entry = dc.layers.get(key) if dc is not None else None
+    if plan.decode_append is not None and entry is not None and entry[2] == plan.decode_step - 1:
+        kv = entry[:2]
+        for buf, cache, s in zip(kv, (k_cache, v_cache), (k_scale, v_scale), strict=True):
+            buf.view(-1, Hkv, D).index_copy_(0, plan.decode_append, _gather(cache, s, plan.decode_new_slots, cdtype))
+    else:  # no DecodeCache, rebuilding it, or this layer missed a step (e.g. a plan that never ran): gather
+        kv = tuple(_gather(c, s, plan.decode_slots, cdtype).view(nd, -1, Hkv, D)
+                   for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    if dc is not None:
+        dc.layers[key] = (*kv, plan.decode_step)
+    ks, vs = (x[:, :plan.decode_len].transpose(1, 2) for x in kv)
+    o = F.scaled_dot_product_attention(qs.to(cdtype), ks, vs, attn_mask=plan.decode_mask, scale=scale)
+    return o.reshape(nd, H, D)
 
 
 SPLIT_MIN_SEQ_LEN = 1024  # auto split-K only when the longest decode context reaches this

@@ -102,3 +102,22 @@ def test_triton_backend_matches_torch_backend(tmp_path):
     model = load_model(path)
     ids = torch.randint(0, TINY["vocab_size"], (12,), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(prefill_logits(model, ids, "triton"), hf_logits(hf, ids), atol=1e-3, rtol=1e-3)
+
+
+def test_row_chunked_layers_match_transformers(tmp_path, monkeypatch):
+    """On CPU a layer's token-wise ops run CPU_ROW_CHUNK tokens at a time; a prompt spanning several chunks
+    (and a ragged last one) must give transformers' logits."""
+    import engine.model
+
+    hf, path = tiny_checkpoint(tmp_path)
+    monkeypatch.setattr(engine.model, "CPU_ROW_CHUNK", 7)
+    ids = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(prefill_logits(load_model(path), ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_weights_keep_the_nn_linear_shape(tmp_path):
+    """CPU weights live transposed in memory, yet read as [out, in] like nn.Linear's (loader, quantiser, tests)."""
+    hf, path = tiny_checkpoint(tmp_path)
+    proj = load_model(path).model.layers[0].mlp.down_proj.weight
+    assert proj.shape == hf.model.layers[0].mlp.down_proj.weight.shape and proj.stride() == (1, proj.shape[0])
+    assert torch.equal(proj, hf.model.layers[0].mlp.down_proj.weight)

@@ -261,3 +261,34 @@ def test_triton_backend_mixed_batch_matches_transformers(tiny, mixed):
     states = [_state(f"r{i}", p) for i, p in enumerate(ps[:2])]
     run_to_completion(make_runner(tiny["llama"][1], kernels="triton"), Blocks(), states, 7)
     assert [s.output_token_ids for s in states] == refs["llama"][:2]
+
+
+def test_decode_cache_in_use_and_rebuilt_after_a_failed_step(tiny, mixed):
+    """Steady decoding appends to the runner's DecodeCache; a step that fails after some layers appended (and
+    others not) leaves no stale copies: its rerun (same lengths, so no continuation) rebuilds them."""
+    ps, refs = mixed
+    runner, blocks = make_runner(tiny["llama"][1]), Blocks()
+    states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+    run_to_completion(runner, blocks, states, None)
+    assert [s.output_token_ids for s in states] == refs["llama"]
+    assert runner._decode_cache.appends >= NEW_TOKENS - 3
+
+    runner, blocks = make_runner(tiny["llama"][1]), Blocks()
+    states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+    attn = runner.model.model.layers[1].self_attn
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 4:  # a decode step (prefill was call 1), after layer 0 appended
+            raise RuntimeError("injected")
+        return type(attn).attend(attn, *args)
+
+    attn.attend = flaky
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            run_to_completion(runner, blocks, states, None)
+        run_to_completion(runner, blocks, states, None)  # the failed step reruns: its K/V are rewritten
+    finally:
+        del attn.attend
+    assert [s.output_token_ids for s in states] == refs["llama"]

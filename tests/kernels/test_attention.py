@@ -9,10 +9,13 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kernels.attention import paged_attention_torch, paged_attention_triton
+from kernels.attention import DecodeCache, paged_attention_torch, paged_attention_triton, plan_attention
 
 INTERP = [pytest.mark.interpreter,
           pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")]
@@ -223,3 +226,140 @@ def test_triton_long_context_gpu(dtype):
     for splits in (None, 1, 8):
         out = paged_attention_triton(*batch.args(), num_splits=splits)
         torch.testing.assert_close(out.float(), ref, rtol=0, atol=TOL[dtype])
+
+
+# --- the torch path's per-step plan, this step's k/v, and the DecodeCache ---------------------------------------
+
+PLAN_CASES = [
+    # three fresh prompts of one length (one batched SDPA), two alike chunks after a prefix, padded decodes
+    Case(((0, 8), (0, 8), (0, 8), (4, 8), (4, 8), (30, 1), (10, 1)), heads=8, kv_heads=2, dtype=torch.float32),
+    Case(((0, 37), (20, 13), (40, 1), (70, 1)), heads=4, kv_heads=4, head_dim=128, dtype=torch.float16),
+    Case(((0, 40), (3, 5), (0, 1), (47, 1)), heads=4, kv_heads=2, dtype=torch.float32, int8=True),
+]
+
+
+def _step_kv(batch: Batch, case: Case, raw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's keys / values [T, Hkv, D] in the model dtype, as the engine hands them to attention."""
+    keys, values = (batch.raw_keys, batch.raw_values) if raw else (batch.keys, batch.values)
+    k = torch.cat([keys[s][ctx:] for s, (ctx, _) in enumerate(case.seqs)]).to(case.dtype)
+    v = torch.cat([values[s][ctx:] for s, (ctx, _) in enumerate(case.seqs)]).to(case.dtype)
+    return k, v
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=range(len(PLAN_CASES)))
+def test_shared_plan_and_step_kv_match_dense(case):
+    """One plan reused by two calls ("layers"), with this step's k/v given, equals the dense reference; for int8
+    the unquantised k/v must be ignored (attention reads what the cache holds)."""
+    batch = make_batch(case)
+    plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, case.block_size)
+    k, v = _step_kv(batch, case, raw=True)
+    tol = TOL[case.dtype] if case.dtype != torch.float32 else 1e-5
+    for _ in range(2):
+        out = paged_attention_torch(*batch.args(), plan=plan, k=k, v=v)
+        torch.testing.assert_close(out.double(), dense_attention(batch), rtol=0, atol=tol)
+    if case is PLAN_CASES[0]:  # alike consecutive prefills share one SDPA
+        assert [(g.num_seqs, g.q_len, g.seq_len) for g in plan.prefills] == [(3, 8, 8), (2, 8, 12)]
+
+
+def test_plan_and_step_kv_are_validated():
+    case = Case(((0, 5), (3, 1)), dtype=torch.float32)
+    batch = make_batch(case)
+    plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 8)
+    with pytest.raises(ValueError, match="block_size 8"):
+        paged_attention_torch(*batch.args(), plan=plan)
+    k, v = _step_kv(batch, case, raw=False)
+    with pytest.raises(ValueError, match=r"k and v must be \[T, Hkv, D\]"):
+        paged_attention_torch(*batch.args(), k=k[:-1], v=v[:-1])
+    bad = replace(batch, seq_lens=torch.tensor([4, 4], dtype=torch.int32))  # 5 query tokens, 4 in context
+    with pytest.raises(ValueError, match="sequence 0: query length 5 exceeds seq_len 4"):
+        paged_attention_torch(*bad.args())
+
+
+def _decode_steps(schedule: list[list[int]], lengths: list[int], int8: bool, seed: int = 0,
+                  plan_only: frozenset[int] = frozenset()):
+    """Run decode steps over one paged cache with a DecodeCache. ``schedule[i]`` lists the sequences decoding at
+    step i, in batch order; each decode appends one token to its sequence. Steps in ``plan_only`` store their
+    tokens and build a plan that no layer runs. Yields per run step (output, dense float64 reference, cache)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, hkv, heads, d = 4, 2, 4, 16
+    steps_per_seq = [sum(s in step for step in schedule) for s in range(len(lengths))]
+    blocks_per_seq = [-(-(n + k) // bs) for n, k in zip(lengths, steps_per_seq, strict=True)]
+    num_blocks = sum(blocks_per_seq) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(nb)] for nb in blocks_per_seq]
+    shape = (num_blocks, bs, hkv, d)
+    if int8:
+        k_cache, v_cache = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2))
+        k_scale, v_scale = torch.full(shape[:3], float("nan")), torch.full(shape[:3], float("nan"))
+    else:
+        k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+        k_scale = v_scale = None
+    keys = [[] for _ in lengths]
+    values = [[] for _ in lengths]
+
+    def write(s: int) -> None:  # the next token of sequence s, written as store_kv would
+        pos = len(keys[s])
+        blk, off = tables[s][pos // bs], pos % bs
+        kt, vt = torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
+        if int8:
+            (kq, ks), (vq, vs) = _quantise(kt), _quantise(vt)
+            k_cache[blk, off], v_cache[blk, off], k_scale[blk, off], v_scale[blk, off] = kq, vq, ks, vs
+            kt, vt = kq.double() * ks.double()[:, None], vq.double() * vs.double()[:, None]
+        else:
+            k_cache[blk, off], v_cache[blk, off] = kt, vt
+        keys[s].append(kt.double())
+        values[s].append(vt.double())
+
+    for s, n in enumerate(lengths):
+        for _ in range(n):
+            write(s)
+    dc = DecodeCache(bytes_per_token=2 * hkv * d * 4)
+    for n_step, step in enumerate(schedule):
+        for s in step:
+            write(s)
+        width = max(len(tables[s]) for s in step)
+        bt = torch.full((len(step), width), -1, dtype=torch.int32)
+        for i, s in enumerate(step):
+            bt[i, :len(tables[s])] = torch.tensor(tables[s], dtype=torch.int32)
+        seq_lens = torch.tensor([len(keys[s]) for s in step], dtype=torch.int32)
+        qsl = torch.arange(len(step) + 1, dtype=torch.int32)
+        q = torch.randn(len(step), heads, d, generator=g)
+        plan = plan_attention(bt, seq_lens, qsl, bs, dc)
+        if n_step in plan_only:
+            continue
+        args = (q, k_cache, v_cache, bt, seq_lens, qsl, d ** -0.5, k_scale, v_scale)
+        outs = [paged_attention_torch(*args, plan=plan) for _ in range(2)]  # two "layers" on one cache
+        assert torch.equal(outs[0], outs[1])
+        ref = Batch(q, k_cache, v_cache, bt, seq_lens, qsl, k_scale, v_scale,
+                    [torch.stack(keys[s]) for s in step], [torch.stack(values[s]) for s in step], [], [])
+        yield outs[0], dense_attention(ref), dc
+
+
+def test_decode_cache_appends_and_rebuilds_exactly():
+    """Stable batches append (no gather), a longer run outgrows the capacity, a dropped or reordered sequence
+    rebuilds, and so does a layer that missed a step; every step equals dense attention, with NaN in every unowned
+    slot."""
+    schedule = [[0, 1, 2]] * 6 + [[0, 2]] * 3 + [[2, 0]] * 2 + [[0, 1, 2]] * 40
+    for int8 in (False, True):
+        caches = []
+        for out, ref, dc in _decode_steps(schedule, [5, 12, 1], int8, plan_only=frozenset({4, 20})):
+            torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+            caches.append(dc)
+        assert caches[-1].appends >= 40 and caches[-1].rebuilds >= 5
+
+
+@settings(max_examples=15)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True), min_size=1, max_size=12),
+       st.lists(st.integers(1, 9), min_size=4, max_size=4))
+def test_decode_cache_any_schedule_matches_dense(schedule, lengths):
+    for out, ref, _ in _decode_steps(schedule, lengths, int8=False):
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_decode_cache_too_big_gathers_instead():
+    dc = DecodeCache(bytes_per_token=1 << 20, max_bytes=8 << 20)  # room for 8 tokens
+    a = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
+    assert dc.advance(a([3, 3]), a([[0], [1]]), 4) is None and dc.capacity == 0
+    assert dc.advance(a([2]), a([[0]]), 4) is False and dc.capacity >= 3
+    assert dc.advance(a([3]), a([[0, -1]]), 4) is True  # junk past the blocks in use does not matter
+    assert dc.advance(a([4]), a([[1]]), 4) is False  # other blocks: a different sequence
