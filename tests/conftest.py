@@ -7,6 +7,9 @@ try:
     import torch
 
     _has_cuda = torch.cuda.is_available()
+    # Tiny test models: torch's CPU thread pool only adds synchronisation, and stalls badly on a busy 2-core box
+    # (pytest-xdist already runs one worker per core).
+    torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     _has_cuda = False
 if not _has_cuda:

@@ -17,14 +17,6 @@ from tests.engine.checkpoints import TINY, prefill_logits, tiny_checkpoint
 SMALL = ModelSpec("small", 2, 64, 4, 2, 16, 128, 160, max_model_len=256, dtype="float32")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: torch's thread pool only adds synchronisation (and stalls badly on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def small():
