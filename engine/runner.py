@@ -129,12 +129,11 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
         dev = self.device
-        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        qsl_t, seq_lens_t, tables_t = to_dev(qsl), to_dev((starts_a + lens_a).astype(np.int32)), to_dev(tables)
-        plan = None
-        if self._plan_attention:
-            plan = plan_attention(tables_t, seq_lens_t, qsl_t, bs, self._decode_cache)
-        meta = AttentionMetadata(to_dev(slots), qsl_t, seq_lens_t, tables_t, max(lens), max_seq_len, plan)
+        to_dev = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev, non_blocking=True)
+        seq_lens = (starts_a + lens_a).astype(np.int32)
+        plan = plan_attention(tables, seq_lens, qsl, bs, self._decode_cache, dev) if self._plan_attention else None
+        meta = AttentionMetadata(to_dev(slots), to_dev(qsl), to_dev(seq_lens), to_dev(tables), max(lens), max_seq_len,
+                                 plan)
         return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a))
 
     @torch.inference_mode()

@@ -137,43 +137,57 @@ def _context_slots(bt: np.ndarray, length: int, block_size: int) -> np.ndarray:
     return bt[:, np.minimum(pos // block_size, bt.shape[1] - 1)] * block_size + pos % block_size
 
 
-def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, decode_cache: DecodeCache | None = None) -> AttentionPlan:
+def _host(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+
+
+def plan_attention(block_tables: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray,
+                   query_start_loc: torch.Tensor | np.ndarray, block_size: int,
+                   decode_cache: DecodeCache | None = None, device: torch.device | str | None = None) -> AttentionPlan:
     """Split a step into batched prefill groups and one padded decode batch, with their cache slots and masks.
     With ``decode_cache`` (consecutive steps of one runner), decodes read its copies instead of gathering.
-    Host-side work on small index arrays, so numpy (far cheaper per op than torch); results go to the device."""
-    dev = block_tables.device
+    Host-side work on small index arrays, so numpy (far cheaper per op than torch); the inputs may be numpy
+    arrays already (the engine's runner has them), and the plan's tensors go to ``device`` (default: the block
+    tables' device)."""
+    dev = torch.device(device) if device is not None else getattr(block_tables, "device", torch.device("cpu"))
     to_dev = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev)
-    starts = query_start_loc.cpu().numpy().astype(np.int64)
-    lens = seq_lens.cpu().numpy().astype(np.int64)
+    starts = _host(query_start_loc).astype(np.int64)
+    lens = _host(seq_lens).astype(np.int64)
     q_lens = starts[1:] - starts[:-1]
-    bad = np.flatnonzero(q_lens > lens)
-    if bad.size:
-        raise ValueError(f"sequence {bad[0]}: query length {q_lens[bad[0]]} exceeds seq_len {lens[bad[0]]}")
+    too_long = q_lens > lens
+    if too_long.any():
+        s = int(too_long.argmax())
+        raise ValueError(f"sequence {s}: query length {q_lens[s]} exceeds seq_len {lens[s]}")
     # Entries past a sequence's blocks may be -1 or junk: only slots of real positions are ever read (padding is
     # redirected below), so they need no cleaning.
-    bt = block_tables.cpu().numpy().astype(np.int64)
-    runs: list[list] = []  # [q_start, q_len, seq_len, seq indices]: consecutive prefills alike
-    for s in np.flatnonzero(q_lens > 1).tolist():
-        q_start, q_len, seq_len = int(starts[s]), int(q_lens[s]), int(lens[s])
-        last = runs[-1] if runs else None
-        if last and (last[1], last[2]) == (q_len, seq_len) and last[0] + len(last[3]) * q_len == q_start:
-            last[3].append(s)
-        else:
-            runs.append([q_start, q_len, seq_len, [s]])
+    bt = _host(block_tables).astype(np.int64)
+    is_decode = q_lens == 1
+    all_decode = bool(is_decode.all()) and len(lens) > 0
     prefills = []
-    for q_start, q_len, seq_len, seqs in runs:
-        mask = None
-        if q_len < seq_len:  # causal, shifted by the cached prefix
-            mask = to_dev(np.arange(seq_len)[None, :] <= np.arange(seq_len - q_len, seq_len)[:, None])
-        prefills.append(PrefillGroup(q_start, len(seqs), q_len, seq_len,
-                                     to_dev(_context_slots(bt[seqs], seq_len, block_size).reshape(-1)), mask))
-    decodes = np.flatnonzero(q_lens == 1)
-    nd = decodes.size
+    if not all_decode:
+        runs: list[list] = []  # [q_start, q_len, seq_len, seq indices]: consecutive prefills alike
+        for s in np.nonzero(q_lens > 1)[0].tolist():
+            q_start, q_len, seq_len = int(starts[s]), int(q_lens[s]), int(lens[s])
+            last = runs[-1] if runs else None
+            if last and (last[1], last[2]) == (q_len, seq_len) and last[0] + len(last[3]) * q_len == q_start:
+                last[3].append(s)
+            else:
+                runs.append([q_start, q_len, seq_len, [s]])
+        for q_start, q_len, seq_len, seqs in runs:
+            mask = None
+            if q_len < seq_len:  # causal, shifted by the cached prefix
+                mask = to_dev(np.arange(seq_len)[None, :] <= np.arange(seq_len - q_len, seq_len)[:, None])
+            prefills.append(PrefillGroup(q_start, len(seqs), q_len, seq_len,
+                                         to_dev(_context_slots(bt[seqs], seq_len, block_size).reshape(-1)), mask))
     rows = slots = mask = append = new_slots = None
     max_len = 0
+    if all_decode:
+        dec_starts, dec_lens, tables = starts[:-1], lens, bt
+    else:
+        decodes = np.nonzero(is_decode)[0]
+        dec_starts, dec_lens, tables = starts[decodes], lens[decodes], bt[decodes]
+    nd = len(dec_lens)
     if nd:
-        dec_lens, tables = lens[decodes], bt[decodes]
         max_len = int(dec_lens.max())
         width, cached = max_len, None
         if decode_cache is not None:
@@ -184,19 +198,19 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
                 width = decode_cache.capacity
         slots = _context_slots(tables, width, block_size)
         last = dec_lens - 1  # position of each decode's new token
-        valid = np.arange(width)[None, :] <= last[:, None]
+        valid = np.arange(width) <= last[:, None]
         if cached:
-            append = to_dev(np.arange(nd) * width + last)
+            append = to_dev(np.arange(0, nd * width, width) + last)
             new_slots = to_dev(slots[np.arange(nd), last])
         # Padding points at a slot the sequence owns: a masked key then weighs 0 against finite values, never
         # junk (even NaN) from an unowned slot, which 0 * NaN would leak.
         slots = to_dev(np.where(valid, slots, slots[:, :1]).reshape(-1))
-        rows = to_dev(starts[decodes])
+        rows = to_dev(dec_starts)
         if dec_lens.min() < max_len:
             mask = to_dev(np.ascontiguousarray(valid[:, None, None, :max_len]))
     else:
         decode_cache = None
-    all_decode = nd == len(lens) and starts[-1] == nd
+    all_decode = all_decode and int(starts[-1]) == nd
     return AttentionPlan(block_size, int(starts[-1]), tuple(prefills), rows, slots, mask, all_decode, max_len,
                          decode_cache, append, new_slots, decode_cache.step if decode_cache else 0)
 
