@@ -186,8 +186,12 @@ def test_every_hardware_option_composes(hardware):
 
 @pytest.mark.parametrize("cost_model", _options("cost_model"))
 @pytest.mark.parametrize(("model", "hardware"), [("tiny", "cpu"), ("llama2_70b", "h200")])
-def test_every_cost_model_option_instantiates(cost_model, model, hardware):
-    cm = instantiate(_compose(f"cost_model={cost_model}", f"model={model}", f"hardware={hardware}").cost_model)
+def test_every_cost_model_option_instantiates(cost_model, model, hardware, tmp_path):
+    extra = []
+    if cost_model == "calibrated":  # loads a calibrate output: give it one
+        path = LinearCostModel(c0_s=1e-3, per_decode_seq_s=1e-4).to_file(tmp_path / "linear.yaml")
+        extra = [f"cost_model.path={path}"]
+    cm = instantiate(_compose(f"cost_model={cost_model}", f"model={model}", f"hardware={hardware}", *extra).cost_model)
     assert isinstance(cm, CostModel)
     t = cm.step_time(decode_features(4, 256))
     assert 0 < t < 10
