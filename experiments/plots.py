@@ -86,10 +86,7 @@ def latency_cdfs(runs: Mapping[str, RunData], path: str | Path, title: str = "")
             ax.set_xlabel(f"{name} (s)")
             ax.set_ylabel("fraction of requests" if col != "itl" else "fraction of tokens")
             ax.legend(fontsize=7)
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
 
 
 def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
@@ -114,7 +111,6 @@ def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
         axes[2].set_xlabel("time (s)")
         for ax in axes:
             ax.legend(fontsize=7)
-        fig.tight_layout()
         return _save(fig, path)
 
 
@@ -149,7 +145,11 @@ class _Figure:
         self._ctx.__exit__(*exc)
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, title: str = "") -> Path:
+    """Title, tight layout, write the PNG, close the figure."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -190,10 +190,7 @@ def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np
             ax.set_ylabel("predicted step time (ms)")
             ax.set_title(name)
             ax.legend(fontsize=7)
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
 
 
 def rate_curves(curves: Mapping[str, Mapping[float, Mapping]], path: str | Path,
@@ -220,7 +217,6 @@ def rate_curves(curves: Mapping[str, Mapping[float, Mapping]], path: str | Path,
             ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        fig.tight_layout()
         return _save(fig, path)
 
 
@@ -269,10 +265,7 @@ def metric_curves(curves: Mapping[str, Mapping[float, Mapping]], panels: Sequenc
             ax.set_xlabel(x_key[1] if x_key else xlabel)
             ax.set_ylabel(label)
             ax.legend(fontsize=7)
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
 
 
 def metric_bars(runs: Mapping[str, Mapping], panels: Sequence[Panel], path: str | Path, title: str = "",
@@ -288,10 +281,7 @@ def metric_bars(runs: Mapping[str, Mapping], panels: Sequence[Panel], path: str 
             ax.set_ylabel(label)
             if log:
                 ax.set_yscale("log")
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
 
 
 def token_gaps(runs: Mapping[str, RunData], request_ids: Sequence[str], path: str | Path,
@@ -314,7 +304,6 @@ def token_gaps(runs: Mapping[str, RunData], request_ids: Sequence[str], path: st
             ax.set_ylabel("gap before output event (ms)")
             ax.set_title(label)
             ax.legend(fontsize=6)
-        fig.tight_layout()
         return _save(fig, path)
 
 
@@ -346,10 +335,7 @@ def measured_and_predicted_curves(panels: Sequence[Mapping], path: str | Path, t
             ax.legend(fontsize=6)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
 
 
 def decode_roofline(tables: Mapping[str, Mapping[str, np.ndarray]], path: str | Path, title: str = "") -> Path:
@@ -378,7 +364,4 @@ def decode_roofline(tables: Mapping[str, Mapping[str, np.ndarray]], path: str | 
             ax.set_xlabel("batch size (sequences)")
             ax.set_ylabel(ylabel)
             ax.legend(fontsize=6)
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
