@@ -29,8 +29,10 @@ from sim.cost.roofline import RooflineCostModel
 
 Measurement = StepFeatures | Sequence[StepFeatures]
 
-LINEAR_TERMS = ("c0_s", "per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s", "per_kv_token_read_s")
-FEATURE_COLUMNS = ("steps", "num_prefill_tokens", "num_decode_seqs", "attention_pairs", "kv_tokens_read")
+LINEAR_TERMS = ("c0_s", "per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s", "per_kv_token_read_s",
+                "per_prefill_context_token_s")
+FEATURE_COLUMNS = ("steps", "num_prefill_tokens", "num_decode_seqs", "attention_pairs", "kv_tokens_read",
+                   "prefill_context_tokens")
 ROOFLINE_TARGET = "sim.cost.roofline.RooflineCostModel"
 ROOFLINE_PARAMS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
 FITTED_ROOFLINE = ("compute_eff", "bw_eff", "overhead_s")
@@ -57,11 +59,13 @@ def shape_label(m: Measurement) -> str:
 
 
 def feature_matrix(features: Sequence[Measurement]) -> np.ndarray:
-    """Columns [1, num_prefill_tokens, num_decode_seqs, attention_pairs, kv_tokens_read]: the linear model's terms.
+    """Columns [1, num_prefill_tokens, num_decode_seqs, attention_pairs, kv_tokens_read, prefill context tokens]:
+    the linear model's terms (prefill context = cached tokens the prefill chunks attend to).
 
     A run of steps is the sum of its rows, so its first column counts its steps (each pays the intercept).
     """
-    rows = [[sum(v) for v in zip(*((1, f.num_prefill_tokens, f.num_decode_seqs, f.attention_pairs, f.kv_tokens_read)
+    rows = [[sum(v) for v in zip(*((1, f.num_prefill_tokens, f.num_decode_seqs, f.attention_pairs, f.kv_tokens_read,
+                                    f.prefill_kv_tokens - f.num_prefill_tokens)
                                    for f in steps_of(m)), strict=True)] for m in features]
     return np.array(rows, dtype=float).reshape(len(rows), len(FEATURE_COLUMNS))
 

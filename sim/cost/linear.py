@@ -1,4 +1,5 @@
-"""Linear (fitted) step time: t = c0 + a·prefill tokens + b·decode seqs + c·attention pairs + e·KV tokens read."""
+"""Linear (fitted) step time: t = c0 + a·prefill tokens + b·decode seqs + c·attention pairs + e·KV tokens read
++ g·cached context tokens of prefill chunks."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class LinearCostModel:
     per_decode_seq_s: float = 0.0
     per_attention_pair_s: float = 0.0
     per_kv_token_read_s: float = 0.0
+    # per token of cached context a prefill chunk attends to (a chunk after a cached prefix or an earlier chunk
+    # reads that KV; on the CPU engine it also takes the masked attention path)
+    per_prefill_context_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -35,7 +39,8 @@ class LinearCostModel:
 
     def step_time(self, f: StepFeatures) -> float:
         return (self.c0_s + self.per_prefill_token_s * f.num_prefill_tokens + self.per_decode_seq_s * f.num_decode_seqs
-                + self.per_attention_pair_s * f.attention_pairs + self.per_kv_token_read_s * f.kv_tokens_read)
+                + self.per_attention_pair_s * f.attention_pairs + self.per_kv_token_read_s * f.kv_tokens_read
+                + self.per_prefill_context_token_s * (f.prefill_kv_tokens - f.num_prefill_tokens))
 
     def to_dict(self) -> dict[str, Any]:
         return {"_target_": TARGET, **asdict(self)}

@@ -63,10 +63,11 @@ def test_feature_matrix_hand_computed():
     pre, dec = prefill_features(10, cached=4), decode_features(3, context=100)
     run = (prefill_features(8), prefill_features(8, cached=8))
     X = feature_matrix([pre, dec, run])
-    np.testing.assert_array_equal(X[0], [1, 10, 0, 10 * 4 + 10 * 11 // 2, 0])
-    np.testing.assert_array_equal(X[1], [1, 0, 3, 0, 300])
-    # a run sums its steps: 2 intercepts, 16 tokens, pairs 36 + (64 + 36)
-    np.testing.assert_array_equal(X[2], [2, 16, 0, 36 + 100, 0])
+    # last column: the cached context the prefill chunks attend to
+    np.testing.assert_array_equal(X[0], [1, 10, 0, 10 * 4 + 10 * 11 // 2, 0, 4])
+    np.testing.assert_array_equal(X[1], [1, 0, 3, 0, 300, 0])
+    # a run sums its steps: 2 intercepts, 16 tokens, pairs 36 + (64 + 36), context 0 + 8
+    np.testing.assert_array_equal(X[2], [2, 16, 0, 36 + 100, 0, 8])
 
 
 def test_fit_linear_recovers_coefficients_under_noise():

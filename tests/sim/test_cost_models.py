@@ -201,3 +201,10 @@ def test_all_models_instantiate_with_roofline_on_h100():
     for model in _options("model"):
         cm = instantiate(_compose(f"model={model}").cost_model)
         assert isinstance(cm, RooflineCostModel) and cm.model.name == model
+
+
+def test_linear_prefill_context_term_by_hand():
+    cm = LinearCostModel(c0_s=1e-3, per_prefill_token_s=1e-5, per_prefill_context_token_s=2e-6)
+    # a 10-token chunk after 30 cached tokens: 1 ms + 10 x 10 us + 30 x 2 us
+    assert cm.step_time(prefill_features(10, cached=30)) == pytest.approx(1e-3 + 1e-4 + 6e-5)
+    assert cm.step_time(decode_features(4, 100)) == pytest.approx(1e-3)
