@@ -30,10 +30,11 @@ NEW = 6
 WHOLE = 512
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A tiny Llama checkpoint, its loaded model, requests with shared prefixes, and HF's greedy outputs."""
-    hf, path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(tmp_path_factory, request):
+    """A tiny checkpoint (Llama or Qwen2 layout), its loaded model, requests with shared prefixes, and HF's greedy
+    outputs."""
+    hf, path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), request.param)
     spec = ModelSpec.from_pretrained(path)
     model = load_model(path, spec)
     g = torch.Generator().manual_seed(7)
