@@ -74,6 +74,13 @@ class EngineExecutor:
         self.runner.release(request_id)
 
 
+def resolve_kernels(name: str, device: str | torch.device) -> str:
+    """``auto``: the Triton kernels on a GPU, the torch references on CPU; other names pass through."""
+    if name == "auto":
+        return "triton" if str(device).startswith("cuda") else "torch"
+    return name
+
+
 def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_managers: list[KVCacheManager],
                            seed: int = 0) -> list[EngineExecutor]:
     """One executor per replica from a ``conf/backend/engine.yaml`` section; the replicas share one model."""
@@ -89,10 +96,12 @@ def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_manag
         torch.set_num_threads(int(backend["num_threads"]))
     sampling = SamplingParams(float(backend.get("temperature", 0.0)), float(backend.get("top_p", 1.0)),
                               int(backend.get("top_k", 0)))
+    device = backend.get("device", "cpu")
+    kernels = resolve_kernels(backend.get("kernels", "auto"), device)
     model, executors = None, []
     for kv in kv_managers:
-        ex = build_engine_executor(spec, kv_manager=kv, kernels=backend.get("kernels", "torch"),
-                                   device=backend.get("device", "cpu"), dtype=dtypes[backend.get("dtype")],
+        ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels,
+                                   device=device, dtype=dtypes[backend.get("dtype")],
                                    quant=backend.get("quant"), group_size=int(backend.get("quant_group_size", 128)),
                                    kv_dtype=backend.get("kv_dtype", "auto"), seed=seed, sampling=sampling, model=model)
         model = ex.runner.model

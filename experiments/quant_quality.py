@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from core.specs import ModelSpec
+from engine.executor import resolve_kernels
 from engine.quality import QualityReport, QuantSetting, load_prompts, quality_report, synthetic_prompts
 from experiments.build import model_spec
 
@@ -82,9 +83,11 @@ def run_quality(cfg: DictConfig) -> QualityReport:
     cfg = effective(cfg)
     spec = model_spec(cfg)
     group = resolve_group_size(spec, cfg.get("quant_group_size"))
+    device = cfg.backend.get("device", "cpu")
     return quality_report(spec, prompts(cfg, spec), settings(cfg, group), new_tokens=int(cfg.quality.new_tokens),
-                          seed=int(cfg.seed), dtype=model_dtype(cfg, spec), device=cfg.backend.get("device", "cpu"),
-                          kernels=cfg.backend.get("kernels", "torch"), block_size=int(cfg.kv.block_size))
+                          seed=int(cfg.seed), dtype=model_dtype(cfg, spec), device=device,
+                          kernels=resolve_kernels(cfg.backend.get("kernels", "auto"), device),
+                          block_size=int(cfg.kv.block_size))
 
 
 def write(report: QualityReport, out_dir: str | Path) -> Path:

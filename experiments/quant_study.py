@@ -35,7 +35,7 @@ from core.kv_cache import KVCacheManager
 from core.request import Request, RequestState, Status
 from core.specs import HardwareSpec, ModelSpec
 from engine.attention import num_blocks_for_memory
-from engine.executor import EngineExecutor, build_engine_executors
+from engine.executor import EngineExecutor, build_engine_executors, resolve_kernels
 from engine.quality import QuantSetting
 from experiments.build import CONF_DIR, hardware_spec, model_spec, num_kv_blocks
 from experiments.quant_quality import effective, model_dtype, resolve_group_size, run_quality, settings
@@ -261,7 +261,8 @@ def study(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     result = {
         "model": spec.name, "checkpoint": spec.path, "hardware": hw.name,
         "dtype": str(model_dtype(cfg, spec)).removeprefix("torch."),
-        "kernels": backend.get("kernels", "torch"), "device": backend.get("device", "cpu"),
+        "kernels": resolve_kernels(backend.get("kernels", "auto"), backend.get("device", "cpu")),
+        "device": backend.get("device", "cpu"),
         "num_threads": backend.get("num_threads"), "group_size": group, "settings": names,
         "quick": bool(cfg.get("quick", False)), "repeats": int(s["repeats"]), "warmup": int(s["warmup"]),
         "cpu": cpu,

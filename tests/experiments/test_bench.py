@@ -1,0 +1,36 @@
+"""Benchmarks (``make bench`` / ``pytest -m bench``): print speed ratios measured in one run; never in CI."""
+
+import pytest
+
+
+@pytest.mark.bench
+def test_simulator_speed_on_azure_conv():
+    from experiments.bench_sim import main
+
+    out = main(["--limit", "4000"])
+    print(f"simulated seconds per wall second: {out['sim_s_per_wall_s']:.1f} (goal >= 60)")
+    assert out["requests"] == 4000
+
+
+@pytest.mark.bench
+def test_engine_vs_transformers():
+    from experiments.bench_engine import main
+
+    out = main(["--requests", "32"])
+    print(f"engine / transformers throughput: {out['speedup_vs_hf']:.2f}x (goal >= 1.5x); "
+          f"python overhead {out['python_overhead_share']:.1%} (goal < 10%)")
+
+
+def test_gpu_benchmark_smoke_on_cpu(tmp_path):
+    """The GPU benchmark's code paths, on CPU with torch kernels and the tiny model (seconds)."""
+    import json
+
+    from experiments.bench_gpu import main
+
+    main(["--device", "cpu", "--kernels", "torch", "--model", "tiny", "--hardware", "cpu", "--dtype", "float32",
+          "--quick", "--reps", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_gpu.json").read_text())
+    kinds = [r["kind"] for r in result["steps"]]
+    assert kinds.count("decode") == 2 and kinds.count("prefill") == 1
+    assert all(r["fraction_of_bandwidth_roofline"] > 0 for r in result["steps"] if r["kind"] == "decode")
+    assert (tmp_path / "steps.csv").read_text().splitlines()[0].startswith("replica,start_s,duration_s")
