@@ -119,7 +119,8 @@ def run(cfg: DictConfig, out: Path) -> Report:
         f = read_csv(write_csv(out / "roofline_fitted.csv", roofline_rows(fitted, *args)))
         rep.text("## engine (cpu scale)",
                  f"The engine ({ecfg.model.name} on {ecfg.backend.device}, kernels "
-                 f"{ecfg.backend.get('kernels', 'auto')}) timed {len(rows)} decode shapes (median of {ecfg.study.repeats}); the roofline fitted to them: "
+                 f"{ecfg.backend.get('kernels', 'auto')}) timed {len(rows)} decode shapes (median of "
+                 f"{ecfg.study.repeats}); the roofline fitted to them: "
                  f"compute_eff {fitted.compute_eff:.3g}, bw_eff {fitted.bw_eff:.3g}, overhead "
                  f"{fitted.overhead_s * 1e3:.3g} ms, "
                  f"median |relative error| {fit.median_rel_error:.1%}. Measured throughput at the largest shape: "
