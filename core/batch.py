@@ -92,7 +92,3 @@ class Batch:
     @property
     def empty(self) -> bool:
         return not self.chunks
-
-    @property
-    def sampling_chunks(self) -> list[Chunk]:
-        return [ch for ch in self.chunks if ch.samples]

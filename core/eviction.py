@@ -33,6 +33,9 @@ class KeyedEviction:
         self._seq += 1
         self._entry[block.id] = self._seq
         heapq.heappush(self._heap, (self.key(block, now), self._seq, block.id))
+        if len(self._heap) > 2 * len(self._entry) + 64:  # drop dead entries left by hits (bounded memory)
+            self._heap = [e for e in self._heap if self._entry.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
 
     def victim(self) -> int:
         while self._heap:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from core.batch import Batch
@@ -45,9 +46,10 @@ class EvictionPolicy(Protocol):
         """Number of evictable blocks."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ReplicaView:
-    """What a router may see of one replica, as a snapshot at routing time."""
+    """What a router may see of one replica at routing time. Counts are a snapshot; the pending-token totals
+    and the prefix lookup are computed only if a router asks (routers that ignore them cost nothing)."""
 
     index: int
     num_waiting: int
@@ -55,9 +57,22 @@ class ReplicaView:
     num_free_blocks: int  # free + evictable
     num_blocks: int
     block_size: int
-    pending_prefill_tokens: int  # tokens still to prefill over waiting + running requests
-    pending_decode_tokens: int  # output tokens still to generate over waiting + running requests
+    pending_tokens: Callable[[], tuple[int, int]]  # (prefill tokens, output tokens) still to compute
     cached_prefix_len: Callable[[Request], int]  # pure lookup: tokens of this request's prompt cached here
+
+    @cached_property
+    def _pending(self) -> tuple[int, int]:
+        return self.pending_tokens()
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Tokens still to prefill over waiting + running requests."""
+        return self._pending[0]
+
+    @property
+    def pending_decode_tokens(self) -> int:
+        """Output tokens still to generate over waiting + running requests."""
+        return self._pending[1]
 
     @property
     def num_outstanding(self) -> int:
@@ -89,7 +104,7 @@ class Workload(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """Result of executing one batch: one sampled token per ``batch.sampling_chunks`` entry, and the
+    """Result of executing one batch: one sampled token per chunk with ``samples`` set (in batch order), and the
     step's duration in seconds (predicted by a cost model, or measured by the engine)."""
 
     tokens: list[int]

@@ -165,9 +165,6 @@ class KVCacheManager:
                 else:
                     self._free.append(bid)
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._tables
-
     # ---- invariants (tests and debugging) ------------------------------------------------------------------
     def check_invariants(self) -> None:
         refs = [0] * self.num_blocks

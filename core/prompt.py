@@ -7,11 +7,12 @@ each block, which gives exactly the sharing their materialised tokens would give
 the tokens (the simulator never needs them; the engine calls ``materialize``).
 
 Hashes use Python's tuple hash of ints, which does not depend on PYTHONHASHSEED, so runs are
-reproducible; the tenant string goes in through crc32 for the same reason.
+reproducible; the tenant string goes in through a 64-bit blake2b digest for the same reason.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import numpy as np
@@ -22,7 +23,9 @@ _UNIQUE = -1  # marker mixed into hashes of requests whose content is private to
 
 
 def _salt(request: Request) -> int:
-    return zlib.crc32(request.tenant.encode()) if request.tenant else 0
+    if not request.tenant:
+        return 0
+    return int.from_bytes(hashlib.blake2b(request.tenant.encode(), digest_size=8).digest(), "little")
 
 
 def block_hashes(request: Request, block_size: int) -> list[int]:

@@ -208,16 +208,19 @@ class Replica:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end} without KV blocks")
 
     def view(self) -> ReplicaView:
-        pending_prefill = pending_decode = 0
-        for queue in (self.waiting, self.running):
-            for s in queue:
-                pending_prefill += s.num_remaining_tokens if s.in_prefill else 0
-                pending_decode += s.request.max_new_tokens - len(s.output_token_ids)
         return ReplicaView(
             index=self.index, num_waiting=len(self.waiting), num_running=len(self.running),
-            num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
-            block_size=self.kv.block_size, pending_prefill_tokens=pending_prefill,
-            pending_decode_tokens=pending_decode, cached_prefix_len=self.cached_prefix_len)
+            num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+            pending_tokens=self._pending_tokens, cached_prefix_len=self.cached_prefix_len)
+
+    def _pending_tokens(self) -> tuple[int, int]:
+        """(prefill tokens, output tokens) still to compute over waiting + running requests."""
+        prefill = decode = 0
+        for queue in (self.waiting, self.running):
+            for s in queue:
+                prefill += s.num_remaining_tokens if s.in_prefill else 0
+                decode += s.request.max_new_tokens - len(s.output_token_ids)
+        return prefill, decode
 
     def cached_prefix_len(self, request: Request) -> int:
         """Tokens of ``request``'s prompt cached on this replica (pure lookup, for routers)."""

@@ -44,6 +44,7 @@ class Simulation:
         self.steps: list[StepRecord] = []
         self.batches: list[Batch] = []
         self._wake: list[simpy.Event | None] = [None] * len(self.replicas)
+        self._ids: set[str] = set()
         self._progress = progress
         self._bar = None
         for r in self.replicas:
@@ -78,6 +79,9 @@ class Simulation:
         self._dispatch(req)
 
     def _dispatch(self, req: Request) -> None:
+        if req.id in self._ids:
+            raise ValueError(f"workload yielded request id {req.id!r} twice; request ids must be unique")
+        self._ids.add(req.id)
         idx = self.router.route(req, [r.view() for r in self.replicas]) if len(self.replicas) > 1 else 0
         if not 0 <= idx < len(self.replicas):
             raise RuntimeError(f"router {type(self.router).__name__} returned replica {idx} of {len(self.replicas)}")

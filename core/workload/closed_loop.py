@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from core.request import Request, RequestState
+from core.request import Request, RequestState, Status
 from core.workload.base import (
     OUTPUT,
     PROMPT,
@@ -20,6 +20,8 @@ from core.workload.base import (
     tenant_name,
 )
 from core.workload.lengths import make_length
+
+REJECT_RETRY_S = 1e-3
 
 
 class ClosedLoopWorkload:
@@ -81,4 +83,8 @@ class ClosedLoopWorkload:
         if c is None:
             raise ValueError(f"closed loop: request {state.id!r} was not issued by this workload (or ended twice)")
         t = now + draw_think(self._think[c], self.think_time_s, self.think)
+        if state.status is Status.REJECTED and t <= now:
+            # rejected on arrival: retry a moment later, so a client whose requests can never be served cannot
+            # spin forever at one simulated instant (time must advance towards duration_s)
+            t = now + REJECT_RETRY_S
         return None if self._done(t) else self._issue(c, t)

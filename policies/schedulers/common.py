@@ -69,6 +69,8 @@ def admit(view: SchedulerView, queue: Iterable[RequestState], chunks: dict[str, 
     prefill that does not fit whole stops admission (head-of-line order is kept). With ``reserve`` the
     KV for the request's whole lifetime is allocated at admission (Orca / FasterTransformer), so it can
     never be preempted later. Returns the budget left."""
+    if view.preempted:  # KV ran out this step: admitting now would re-take the victims' blocks (ping-pong)
+        return budget
     for state in queue:
         if budget <= 0 or len(view.running) >= view.limits.max_num_seqs:
             break

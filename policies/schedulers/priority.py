@@ -33,6 +33,8 @@ class PriorityScheduler:
         running = sorted(view.running, key=urgency)
         order = [s for s in running if not s.in_prefill] + [s for s in running if s.in_prefill]
         budget = schedule_running(view, order, chunks, view.limits.max_num_batched_tokens, victim=least_important)
+        if view.preempted:  # KV ran out for running requests: admitting now would only re-take the victims' blocks
+            return Batch(list(chunks.values()))
         for state in sorted(view.waiting, key=urgency):
             if budget <= 0:
                 break

@@ -22,7 +22,7 @@ REQ = Request("q", 0.0, 1024, 8)
 
 def view(i, waiting=0, running=0, free=100, cached=0, prefill=0, decode=0) -> ReplicaView:
     return ReplicaView(index=i, num_waiting=waiting, num_running=running, num_free_blocks=free, num_blocks=100,
-                       block_size=16, pending_prefill_tokens=prefill, pending_decode_tokens=decode,
+                       block_size=16, pending_tokens=lambda: (prefill, decode),
                        cached_prefix_len=lambda r, c=cached: c)
 
 

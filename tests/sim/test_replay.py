@@ -33,7 +33,7 @@ class JitteryExecutor:
     def execute(self, batch):
         f = batch.features
         base = 2e-3 + 4e-5 * f.num_prefill_tokens + 3e-4 * f.num_decode_seqs + 1e-6 * f.kv_tokens_read
-        return StepOutput([7] * len(batch.sampling_chunks), float(base * self.rng.lognormal(0.0, 0.3)))
+        return StepOutput([7] * sum(ch.samples for ch in batch.chunks), float(base * self.rng.lognormal(0.0, 0.3)))
 
 
 def record(cfg, out: Path):
