@@ -92,6 +92,17 @@ def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_manag
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, None: None}
     if backend.get("dtype") not in dtypes:
         raise ValueError(f"backend.dtype={backend.get('dtype')!r}; allowed: {list(dtypes)}")
+    if backend.get("kv_dtype", "auto") not in ("auto", "int8"):
+        raise ValueError(f"backend.kv_dtype={backend.get('kv_dtype')!r}; allowed: auto, int8")
+    quant = backend.get("quant")
+    if quant not in (None, "w4a16"):
+        raise ValueError(f"backend.quant={quant!r}; allowed: null, w4a16")
+    group = backend.get("quant_group_size", 128)
+    if quant and (not isinstance(group, int) or group < 1 or spec.hidden_size % group
+                  or spec.intermediate_size % group or (spec.num_heads * spec.head_dim) % group):
+        raise ValueError(f"backend.quant_group_size={group!r} must divide the linear layers' input widths "
+                         f"(hidden {spec.hidden_size}, attention {spec.num_heads * spec.head_dim}, "
+                         f"FFN {spec.intermediate_size})")
     if backend.get("num_threads"):
         torch.set_num_threads(int(backend["num_threads"]))
     sampling = SamplingParams(float(backend.get("temperature", 0.0)), float(backend.get("top_p", 1.0)),

@@ -45,23 +45,32 @@ def kv_bits(cfg: DictConfig) -> int:
     return int(cfg.cost_model.get("kv_bits", 16))
 
 
+def weight_format(cfg: DictConfig) -> tuple[int, int]:
+    """(weight bits, group size) both backends assume: W4A16 on the engine, the cost model's setting in the sim."""
+    if cfg.backend.name == "engine":
+        quantized = cfg.backend.get("quant") == "w4a16"
+        return (4 if quantized else 16), int(cfg.backend.get("quant_group_size", 128))
+    return int(cfg.cost_model.get("weight_bits", 16)), int(cfg.cost_model.get("group_size", 128))
+
+
 def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
     """``kv.num_blocks``, else ``kv.memory_bytes`` worth of blocks, else what the hardware's memory holds
     after the weights. Both backends size the pool with this one function, so they see the same pool."""
     kv = cfg.kv
-    if int(kv.block_size) < 1:
+    if _int(kv, "block_size", "kv") < 1:
         raise ValueError(f"kv.block_size must be >= 1, got {kv.block_size}")
     if kv.num_blocks is not None:
-        return int(kv.num_blocks)
+        return _int(kv, "num_blocks", "kv")
     per_token = arithmetic.kv_bytes_per_token(spec, kv_bits(cfg))
     if kv_bits(cfg) == 8:  # an int8 KV cache also stores one float32 scale per (token, head) for K and for V
         per_token += 2 * spec.num_layers * spec.num_kv_heads * INT8_SCALE_BYTES
     per_block = per_token * kv.block_size
     budget = kv.memory_bytes
     if budget is None:
-        budget = hw.mem_bytes * kv.memory_fraction - arithmetic.weight_bytes(spec)
+        weights = arithmetic.weight_bytes(spec, *weight_format(cfg))
+        budget = hw.mem_bytes * kv.memory_fraction - weights
         if budget <= 0:
-            raise ValueError(f"model {spec.name} ({arithmetic.weight_bytes(spec) / 1e9:.1f} GB of weights) does not "
+            raise ValueError(f"model {spec.name} ({weights / 1e9:.1f} GB of weights) does not "
                              f"fit hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
     blocks = int(budget // per_block)
     if blocks < 1:
@@ -92,18 +101,31 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
         raise ValueError(f"scheduler config lacks {missing}")
     # Sim-vs-engine comparisons generate exactly each request's output length; an engine run may stop at EOS.
     stop_at_eos = cfg.backend.name == "engine" and not cfg.backend.get("ignore_eos", True)
-    limits = SchedulerLimits(max_num_batched_tokens=int(sched.max_num_batched_tokens),
-                             max_num_seqs=int(sched.max_num_seqs), max_model_len=spec.max_model_len,
-                             request_timeout_s=cfg.request_timeout_s, vocab_size=spec.vocab_size,
+    timeout = cfg.request_timeout_s
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+        raise ValueError(f"request_timeout_s must be a number of seconds or null, got {timeout!r}")
+    limits = SchedulerLimits(max_num_batched_tokens=_int(sched, "max_num_batched_tokens", "scheduler"),
+                             max_num_seqs=_int(sched, "max_num_seqs", "scheduler"), max_model_len=spec.max_model_len,
+                             request_timeout_s=timeout, vocab_size=spec.vocab_size,
                              eos_token_ids=frozenset(spec.eos_token_ids) if stop_at_eos else frozenset())
-    n = int(cfg.replicas)
+    n = _int(cfg, "replicas")
     if n < 1:
         raise ValueError(f"replicas must be >= 1, got {n}")
+    if not isinstance(cfg.kv.prefix_caching, bool):
+        raise ValueError(f"kv.prefix_caching must be true or false, got {cfg.kv.prefix_caching!r}")
     sched_node = _without(sched, LIMIT_KEYS)
     return [Replica(i, _instantiate(sched_node, "scheduler"),
-                    KVCacheManager(num_blocks, int(cfg.kv.block_size), _instantiate(cfg.eviction, "eviction"),
-                                   bool(cfg.kv.prefix_caching)), limits)
+                    KVCacheManager(num_blocks, _int(cfg.kv, "block_size", "kv"), _instantiate(cfg.eviction, "eviction"),
+                                   cfg.kv.prefix_caching), limits)
             for i in range(n)]
+
+
+def _int(node: DictConfig, key: str, section: str = "") -> int:
+    """An integer config value; 1.5 or "abc" fail naming the key instead of being truncated or crashing later."""
+    v = node[key]
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+        raise ValueError(f"{section + '.' if section else ''}{key} must be an integer, got {v!r}")
+    return int(v)
 
 
 def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -> list[Executor]:

@@ -33,6 +33,9 @@ def checkpoint_paths_to_overrides(argv: list[str]) -> list[str]:
         key, _, value = arg.partition("=")
         if key == "model" and (Path(value) / "config.json").is_file():
             arg = f"model.path={Path(value).resolve()}"
+        elif key == "model" and ("/" in value or Path(value).exists()):
+            raise SystemExit(f"model={value}: not a checkpoint directory (no config.json there); "
+                             f"a model option is one of conf/model/*.yaml or a directory holding config.json")
         out.append(arg)
     return out
 

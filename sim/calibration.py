@@ -348,6 +348,8 @@ def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | No
     """The cost model a calibration file describes; a roofline file needs ``model`` and ``hardware`` (it
     interpolates the run's) unless it spells them out."""
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cost_model.path={str(path)!r}: no such calibration file (an experiments.calibrate output)")
     cfg = yaml.safe_load(path.read_text())
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a mapping, got {type(cfg).__name__}")

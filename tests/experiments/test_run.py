@@ -69,10 +69,23 @@ def test_plots_are_written(tmp_path):
     ("replicas=0", "replicas"),
     ("kv.block_size=0", "block_size"),
     ("model.num_kv_heads=3", "num_kv_heads"),
+    ("scheduler.max_num_batched_tokens=1.5", "max_num_batched_tokens"),
+    ("kv.prefix_caching=maybe", "prefix_caching"),
+    ("request_timeout_s=abc", "request_timeout_s"),
+    ("cost_model=calibrated", "cost_model"),
+    ("backend=engine", None),
 ])
 def test_bad_config_fails_naming_the_key(tmp_path, override, message):
+    if message is None:  # engine option errors, on a valid engine config
+        for bad, key in (("backend.kv_dtype=fp8", "backend.kv_dtype"), ("backend.quant=w8a8", "backend.quant"),
+                         ("backend.quant=w4a16", "backend.quant_group_size")):
+            extra = ["backend.quant_group_size=100"] if key == "backend.quant_group_size" else []
+            with pytest.raises(ValueError, match=key):
+                run(cfg_with(*SMALL, override, bad, *extra), tmp_path)
+        return
     with pytest.raises(ValueError, match=message):
-        run(cfg_with(*SMALL, override), tmp_path)
+        run(cfg_with(*SMALL, override, *(["cost_model.path=/nope.yaml"] if "calibrated" in override else [])),
+            tmp_path)
 
 
 def test_unknown_group_option_is_a_clear_error():
