@@ -5,6 +5,8 @@ Usage: python -m experiments.bench_engine [--requests 64] [--batch 32] [--prompt
 [--repeats 3]. Engine and transformers runs alternate; every figure is the median over the repeats, and
 speedup_vs_hf_runs lists the ratio of each engine / transformers pair.
 Goals (issue): >= 1.5x transformers throughput on CPU; scheduling overhead < 10% of step time at batch 32.
+``--varied`` serves mixed prompt / output lengths (a static batch then runs until its longest output is done);
+the default equal lengths are static batching's best case.
 """
 
 from __future__ import annotations
@@ -64,16 +66,17 @@ def hf_checkpoint(path: str, spec_overrides: dict) -> None:
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 
-def _engine_run(spec: ModelSpec, model, prompts: torch.Tensor, args) -> dict:
+def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], args) -> dict:
     """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares."""
-    kv = KVCacheManager(args.batch * (-(-(args.prompt + args.output) // 16)) + 64, 16, LRUEviction(), False)
+    longest = max(len(p) for p in prompts) + max(outputs)
+    kv = KVCacheManager(args.batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
     replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(4096, args.batch, spec.max_model_len))
     ex = build_engine_executor(spec, kv_manager=kv, model=model)
     ex.warmup(4)
     t_sched, t_apply = _Timed(replica, "schedule"), _Timed(replica, "apply")
     t_prep, t_model = _Timed(ex.runner, "prepare"), _Timed(ex.runner.model, "forward")
-    reqs = [Request(f"r{i}", 0.0, args.prompt, args.output, prompt_token_ids=tuple(prompts[i].tolist()))
-            for i in range(args.requests)]
+    pairs = enumerate(zip(prompts, outputs, strict=True))
+    reqs = [Request(f"r{i}", 0.0, len(p), n, prompt_token_ids=tuple(p)) for i, (p, n) in pairs]
     cpu0 = time.process_time()
     try:
         res = Simulation([replica], [ex], RoundRobinRouter(), _Requests(reqs)).run()
@@ -98,21 +101,27 @@ def _engine_run(spec: ModelSpec, model, prompts: torch.Tensor, args) -> dict:
     }
 
 
-def _hf_run(hf, prompts: torch.Tensor, args) -> dict:
-    """transformers generate, batched, same prompts and lengths; also times the prefills alone."""
+def _hf_run(hf, prompts: list[list[int]], outputs: list[int], args) -> dict:
+    """transformers generate, batched (left-padded prompts): a batch runs until its longest output is done, so
+    only each request's own output tokens count as throughput; also times the prefills alone."""
+    batches = []
+    for i in range(0, len(prompts), args.batch):
+        ps, outs = prompts[i:i + args.batch], outputs[i:i + args.batch]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        batches.append((ids, mask, max(outs), sum(outs)))
     with torch.inference_mode():
         t0, cpu0 = time.perf_counter(), time.process_time()
-        hf_tok = 0
-        for i in range(0, args.requests, args.batch):
-            out = hf.generate(prompts[i:i + args.batch], max_new_tokens=args.output,
-                              min_new_tokens=args.output, do_sample=False)
-            hf_tok += (out.shape[1] - args.prompt) * out.shape[0]
+        for ids, mask, longest, _ in batches:
+            hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
         hf_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         t0 = time.perf_counter()
-        for i in range(0, args.requests, args.batch):
-            hf.generate(prompts[i:i + args.batch], max_new_tokens=1, do_sample=False)
+        for ids, mask, _, _ in batches:
+            hf.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
         prefill_s = time.perf_counter() - t0
-    return {"hf_tok_s": hf_tok / hf_s, "hf_tok_per_cpu_s": hf_tok / cpu_s, "hf_prefill_ms": 1e3 * prefill_s}
+    useful = sum(b[3] for b in batches)
+    return {"hf_tok_s": useful / hf_s, "hf_tok_per_cpu_s": useful / cpu_s, "hf_prefill_ms": 1e3 * prefill_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="alternating engine / transformers runs; medians reported")
+    p.add_argument("--varied", action="store_true",
+                   help="prompt lengths uniform in [8, 2*prompt], outputs in [4, 2*output] (else all equal: the best "
+                        "case for static batching)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats} must be >= 1")
@@ -132,7 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, torch_dtype="float32")
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, shape["vocab_size"], (args.requests, args.prompt), generator=g)
+    if args.varied:
+        lens = torch.randint(8, 2 * args.prompt + 1, (args.requests,), generator=g).tolist()
+        outputs = torch.randint(4, 2 * args.output + 1, (args.requests,), generator=g).tolist()
+    else:
+        lens, outputs = [args.prompt] * args.requests, [args.output] * args.requests
+    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in lens]
     with tempfile.TemporaryDirectory() as d:
         hf_checkpoint(d, shape)
         spec = ModelSpec.from_pretrained(d)
@@ -141,9 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
         hf.generation_config.pad_token_id = 0
         model = build_model(spec)
         with torch.inference_mode():
-            hf.generate(prompts[:2], max_new_tokens=4, do_sample=False)  # warm-up
+            hf.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False)  # warm-up
         # Engine and transformers alternate, so load from other jobs on the machine hits both alike.
-        runs = [{**_engine_run(spec, model, prompts, args), **_hf_run(hf, prompts, args)}
+        runs = [{**_engine_run(spec, model, prompts, outputs, args), **_hf_run(hf, prompts, outputs, args)}
                 for _ in range(args.repeats)]
     for r in runs:
         r["speedup_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
@@ -152,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {key: round(median(key), 4 if "share" in key else 3) for key in runs[0]}
     result["engine_steps"] = runs[0]["engine_steps"]
     result.update(speedup_vs_hf_runs=[round(r["speedup_vs_hf"], 3) for r in runs], threads=args.threads,
-                  repeats=args.repeats)
+                  repeats=args.repeats, workload="varied lengths" if args.varied else "equal lengths")
     print(json.dumps(result, indent=1))
     return result
 

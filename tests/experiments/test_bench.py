@@ -16,9 +16,10 @@ def test_simulator_speed_on_azure_conv():
 def test_engine_vs_transformers():
     from experiments.bench_engine import main
 
-    out = main(["--requests", "32"])
-    print(f"engine / transformers throughput: {out['speedup_vs_hf']:.2f}x (goal >= 1.5x); "
-          f"python overhead {out['python_overhead_share']:.1%} (goal < 10%)")
+    for extra in ([], ["--varied"]):
+        out = main(["--requests", "32", *extra])
+        print(f"{out['workload']}: engine / transformers throughput {out['speedup_vs_hf']:.2f}x (goal >= 1.5x); "
+              f"python overhead {out['python_overhead_share']:.1%} (goal < 10%)")
 
 
 def test_gpu_benchmark_smoke_on_cpu(tmp_path):
