@@ -335,7 +335,7 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     note = (f"model={spec.name} hardware={hw.name} backend={cfg.backend.name}; {len(features)} measurements "
             f"(profile: {paths.get('profile')}, runs: {[str(s) for s in sources]})")
     for name, model in models.items():
-        paths[name] = write_calibration(out / f"{name}.yaml", model, reports[name], note)
+        paths[name] = write_calibration(out / f"{name}.yaml", model, reports[name], note, (spec.name, hw.name))
     summary: dict[str, Any] = {name: rep.to_dict() for name, rep in reports.items()}
     summary.update(model=spec.name, hardware=hw.name, backend=cfg.backend.name, num_measurements=len(features),
                    sources=[str(s) for s in sources], profile=str(paths.get("profile")),

@@ -324,9 +324,10 @@ def calibration_dict(cost_model: LinearCostModel | RooflineCostModel) -> dict[st
 
 
 def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCostModel,
-                      fit: FitReport | None = None, note: str = "") -> Path:
+                      fit: FitReport | None = None, note: str = "", fitted_for: tuple[str, str] | None = None) -> Path:
     """A YAML usable as a ``conf/cost_model`` option, with a commented summary; the full report (if given) goes
-    next to it as ``<stem>.report.json``."""
+    next to it as ``<stem>.report.json``. ``fitted_for`` = (model name, hardware name) the measurements came from:
+    loading the file for another model or hardware then fails unless the run allows it."""
     path = Path(path)
     header = ["# Calibrated cost model (sim.calibration.write_calibration)."]
     if note:
@@ -339,20 +340,31 @@ def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCo
                       f"p90 {fit.p90_rel_error:.1%}, max {fit.max_rel_error:.1%}, r2 {fit.r2:.4f}. "
                       f"Report: {path.stem}.report.json")
         path.with_name(path.stem + ".report.json").write_text(json.dumps(fit.to_dict(), indent=2))
-    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(calibration_dict(cost_model), sort_keys=False))
+    body = calibration_dict(cost_model)
+    if fitted_for is not None:
+        body["fitted_for"] = {"model": fitted_for[0], "hardware": fitted_for[1]}
+    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))
     return path
 
 
 def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | None = None,
-                     hardware: HardwareSpec | Mapping[str, Any] | None = None) -> LinearCostModel | RooflineCostModel:
+                     hardware: HardwareSpec | Mapping[str, Any] | None = None,
+                     allow_mismatch: bool = False) -> LinearCostModel | RooflineCostModel:
     """The cost model a calibration file describes; a roofline file needs ``model`` and ``hardware`` (it
-    interpolates the run's) unless it spells them out."""
+    interpolates the run's) unless it spells them out. A file fitted for another model or hardware than the
+    run's is refused (its step times would silently be another machine's) unless ``allow_mismatch``."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"cost_model.path={str(path)!r}: no such calibration file (an experiments.calibrate output)")
     cfg = yaml.safe_load(path.read_text())
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a mapping, got {type(cfg).__name__}")
+    fitted_for = cfg.pop("fitted_for", None) or {}
+    for key, given in (("model", model), ("hardware", hardware)):
+        name = getattr(given, "name", None) or (given.get("name") if isinstance(given, Mapping) else None)
+        if fitted_for.get(key) and name and name != fitted_for[key] and not allow_mismatch:
+            raise ValueError(f"cost_model.path={str(path)!r} was fitted for {key}={fitted_for[key]}, this run has "
+                             f"{key}={name}; calibrate for it, or set cost_model.allow_mismatch=true")
     target = cfg.get("_target_")
     if target == LINEAR_TARGET:
         return LinearCostModel.from_mapping(cfg)

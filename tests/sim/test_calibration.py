@@ -259,3 +259,14 @@ def test_load_calibration_rejects_unknown_target(tmp_path):
     (tmp_path / "y.yaml").write_text("_target_: sim.cost.roofline.RooflineCostModel\nbw_eff: 0.5\nfoo: 1\n")
     with pytest.raises(ValueError, match="unknown keys"):
         load_calibration(tmp_path / "y.yaml", LLAMA7B, A100)
+
+
+def test_calibration_for_another_model_is_refused(tmp_path):
+    from core.specs import ModelSpec
+
+    path = write_calibration(tmp_path / "lin.yaml", LinearCostModel(c0_s=1e-3), fitted_for=("tiny", "cpu"))
+    other = ModelSpec("big", 2, 64, 4, 2, 16, 128, 160)
+    with pytest.raises(ValueError, match="fitted for model=tiny"):
+        load_calibration(path, model=other)
+    assert load_calibration(path, model=other, allow_mismatch=True).c0_s == 1e-3
+    assert load_calibration(path, model={"name": "tiny"}).c0_s == 1e-3
