@@ -150,15 +150,17 @@ class Replica:
         sampled = iter(tokens)
         finished = False
         eos = self.limits.eos_token_ids
-        cached_upto = self.kv.block_size  # chunks ending before a block boundary publish nothing
+        bs = self.kv.block_size
         for ch in batch.chunks:
             state = ch.state
             state.num_computed_tokens = ch.end
-            if ch.start < len(state.block_hashes) * cached_upto:  # decodes past the prompt skip the call
+            if ch.start < len(state.block_hashes) * bs:  # only chunks inside the prompt's full blocks can publish
                 self.kv.register_computed(state, end_s)
             if not ch.samples:
                 continue
-            tok = next(sampled)
+            tok = next(sampled, None)
+            if tok is None:
+                raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples more")
             state.output_token_ids.append(tok)
             state.token_times.append(end_s)
             if state.first_token_s is None:
@@ -166,6 +168,8 @@ class Replica:
             if len(state.output_token_ids) >= state.request.max_new_tokens or tok in eos:
                 state.status = Status.FINISHED
                 finished = True
+        if next(sampled, None) is not None:
+            raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples fewer")
         if finished:
             done = [s for s in self.running if s.status is Status.FINISHED]
             self.running[:] = [s for s in self.running if s.status is not Status.FINISHED]
