@@ -23,11 +23,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints s
 _MAX_NAMES = 8  # names listed in an error message
 
 
-def spec_from_checkpoint(path: str | Path) -> ModelSpec:
-    """ModelSpec from ``path/config.json``; rejects configs the model cannot run."""
-    return ModelSpec.from_pretrained(path)
-
-
 def _safetensors_files(path: Path) -> list[Path]:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -129,7 +124,7 @@ def load_model(path: str | Path, spec: ModelSpec | None = None, *, dtype: torch.
                group_size: int = 128) -> LlamaForCausalLM:
     """Model from a HF checkpoint directory (config.json + *.safetensors); dtype defaults to the spec's."""
     _check_quant(quant)
-    spec = spec or spec_from_checkpoint(path)
+    spec = spec or ModelSpec.from_pretrained(path)
     model = LlamaForCausalLM(spec, dtype, device)
     load_weights(model, path)
     return _finish(model, quant, group_size)

@@ -12,7 +12,7 @@ import time
 from hydra import compose, initialize_config_dir
 
 from core.workload.replay import AzureTrace
-from experiments.build import CONF_DIR, _instantiate, build_replicas, hardware_spec, model_spec, num_kv_blocks
+from experiments.build import CONF_DIR, _instantiate, replicas_for
 from sim.executor import CostModelExecutor
 from sim.simulator import Simulation
 
@@ -27,8 +27,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = compose("config", overrides=["model=llama3_8b", "hardware=h100", "cost_model=roofline",
                                            f"replicas={args.replicas}", f"router={args.router}",
                                            "scheduler.max_num_batched_tokens=2048", "scheduler.max_num_seqs=256"])
-    spec, hw = model_spec(cfg), hardware_spec(cfg)
-    replicas = build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hw))
+    replicas = replicas_for(cfg)
     cost = _instantiate(cfg.cost_model, "cost_model")
     t0 = time.perf_counter()
     workload = AzureTrace(limit=args.limit)

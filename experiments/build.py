@@ -143,6 +143,12 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
     raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
 
 
+def replicas_for(cfg: DictConfig) -> list[Replica]:
+    """The run's replicas, with the KV pool sized by ``num_kv_blocks``."""
+    spec = model_spec(cfg)
+    return build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hardware_spec(cfg)))
+
+
 def simulation(cfg: DictConfig, make_executors: Callable[[list[Replica]], list[Executor]] | None = None,
                replicas: list[Replica] | None = None) -> Simulation:
     """The driver for ``cfg``: its replicas, router and workload, with executors from the backend (or from
@@ -151,7 +157,7 @@ def simulation(cfg: DictConfig, make_executors: Callable[[list[Replica]], list[E
 
     spec = model_spec(cfg)
     if replicas is None:
-        replicas = build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hardware_spec(cfg)))
+        replicas = replicas_for(cfg)
     executors = make_executors(replicas) if make_executors else build_executors(cfg, spec, replicas)
     return Simulation(replicas, executors, _instantiate(cfg.router, "router"), build_workload(cfg.workload),
                       progress=_progress(cfg.output.progress))

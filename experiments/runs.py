@@ -23,10 +23,8 @@ from core.specs import ModelSpec
 from experiments.build import (
     CONF_DIR,
     build_executors,
-    build_replicas,
-    hardware_spec,
     model_spec,
-    num_kv_blocks,
+    replicas_for,
     simulation,
     write_results,
 )
@@ -140,11 +138,6 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
 
 # ---- runs --------------------------------------------------------------------------
-def _replicas(cfg: DictConfig) -> list[Replica]:
-    spec, hw = model_spec(cfg), hardware_spec(cfg)
-    return build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hw))
-
-
 def _simulation(cfg: DictConfig, make: Callable[[list[Replica]], list[Executor]],
                 replicas: list[Replica] | None = None):
     sim = simulation(cfg, make, replicas)
@@ -262,7 +255,7 @@ def run_interleaved(cfgs: Mapping[str, DictConfig], out_dirs: Mapping[str, str |
         raise ValueError(f"primary={primary!r} is not one of the runs {names}")
     baton = _Baton(len(names))
     sims, results, errors, stopped = {}, {}, {}, set()
-    replicas = {n: _replicas(cfgs[n]) for n in names}
+    replicas = {n: replicas_for(cfgs[n]) for n in names}
     executors = _shared_executors(cfgs, replicas)
     for i, name in enumerate(names):
         sims[name] = _simulation(cfgs[name], lambda reps, i=i, name=name: [_TakeTurns(e, baton, i, len(names))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,14 @@ class IdCounter:
 
 def blocks(tokens: int, block: int) -> int:
     return -(-tokens // block)
+
+
+def bounded(times: Iterator[float], count: int | None, duration_s: float | None) -> Iterator[tuple[int, float]]:
+    """(index, arrival time) pairs until ``count`` arrivals or past ``duration_s``, whichever comes first."""
+    for i, t in enumerate(times):
+        if (count is not None and i >= count) or (duration_s is not None and t > duration_s):
+            return
+        yield i, t
 
 
 class OpenLoop:

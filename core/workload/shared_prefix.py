@@ -27,6 +27,7 @@ from core.workload.base import (
     IdCounter,
     OpenLoop,
     blocks,
+    bounded,
     check_bound,
     check_float,
     check_int,
@@ -80,10 +81,7 @@ class SharedPrefixWorkload(OpenLoop):
         counter = IdCounter(self.num_groups * (self.prefix_len // self.block))
         suffixes, outputs = self.suffix_len.stream(rng(s, PROMPT)), self.output_len.stream(rng(s, OUTPUT))
         picks = rng(s, GROUP)
-        for i, t in enumerate(self.arrival.times(rng(s, ARRIVALS))):
-            if (self.num_requests is not None and i >= self.num_requests) or \
-                    (self.duration_s is not None and t > self.duration_s):
-                return
+        for i, t in bounded(self.arrival.times(rng(s, ARRIVALS)), self.num_requests, self.duration_s):
             g = i % self.num_groups if self.assignment == "round_robin" else \
                 int(picks.choice(self.num_groups, p=self.group_weights))
             n_suffix = next(suffixes)
@@ -154,10 +152,7 @@ class MultiTurnWorkload:
         self._live.clear()
         n_sys = self.system_prompt_len // self.block
         self._counter = IdCounter(self.num_tenants * n_sys)  # ids below this: the tenants' system prompts
-        for i, t in enumerate(self.arrival.times(rng(self.seed, ARRIVALS))):
-            if (self.num_sessions is not None and i >= self.num_sessions) or \
-                    (self.duration_s is not None and t > self.duration_s):
-                return
+        for i, t in bounded(self.arrival.times(rng(self.seed, ARRIVALS)), self.num_sessions, self.duration_s):
             g = rng(self.seed, SESSION, i)
             k = i % self.num_tenants
             sess = _Session(i, int(self.num_turns.sample(g, 1)[0]), tenant_name(k, self.num_tenants),

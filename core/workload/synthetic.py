@@ -13,6 +13,7 @@ from core.workload.base import (
     PROMPT,
     TENANT,
     OpenLoop,
+    bounded,
     check_bound,
     check_int,
     check_seed,
@@ -48,10 +49,7 @@ class SyntheticWorkload(OpenLoop):
         s = self.seed
         prompts, outputs = self.prompt_len.stream(rng(s, PROMPT)), self.output_len.stream(rng(s, OUTPUT))
         tenants = rng(s, TENANT)
-        for i, t in enumerate(self.arrival.times(rng(s, ARRIVALS))):
-            if (self.num_requests is not None and i >= self.num_requests) or \
-                    (self.duration_s is not None and t > self.duration_s):
-                return
+        for i, t in bounded(self.arrival.times(rng(s, ARRIVALS)), self.num_requests, self.duration_s):
             tenant = tenant_name(int(tenants.integers(self.num_tenants)), self.num_tenants)
             yield Request(id=f"r{i}", arrival_s=t, prompt_len=next(prompts), max_new_tokens=next(outputs),
                           tenant=tenant, priority=self.priority, warmup=i < self.warmup_requests)

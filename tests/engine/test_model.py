@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from core.specs import ModelSpec
 from engine.attention import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_memory
-from engine.loader import load_model, spec_from_checkpoint
+from engine.loader import load_model
 from kernels.w4a16 import dequantize_w4
 from tests.engine.checkpoints import LAYOUTS, TINY, hf_logits, prefill_logits, tiny_checkpoint
 
@@ -29,7 +30,7 @@ def test_layout_features_are_wired(tmp_path):
     _, tied = tiny_checkpoint(tmp_path / "t", "llama_tied")
     assert load_model(tied).lm_head is None
     _, scaled = tiny_checkpoint(tmp_path / "s", "llama3_rope")
-    spec = spec_from_checkpoint(scaled)
+    spec = ModelSpec.from_pretrained(scaled)
     assert spec.rope_scaling["rope_type"] == "llama3" and spec.rope_theta == 500000.0
 
 
@@ -37,7 +38,7 @@ def test_llama3_scaling_changes_logits_past_original_length(tmp_path):
     """Guards against the scaling being silently dropped: unscaled RoPE must give different logits."""
     hf, path = tiny_checkpoint(tmp_path, "llama3_rope")
     ids = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2))
-    spec = spec_from_checkpoint(path)
+    spec = ModelSpec.from_pretrained(path)
     unscaled = load_model(path, replace(spec, rope_scaling=None))
     assert (prefill_logits(unscaled, ids) - hf_logits(hf, ids)).abs().max() > 1e-2
 
@@ -82,7 +83,7 @@ def test_w4a16_group_size_must_divide(tmp_path):
 
 def test_kv_memory_sizing(tmp_path):
     _, path = tiny_checkpoint(tmp_path)
-    spec = spec_from_checkpoint(path)
+    spec = ModelSpec.from_pretrained(path)
     # 2 layers x (K, V) x 16 slots x 2 kv heads x 16 dims x 4 bytes
     assert kv_bytes_per_block(spec, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
     assert kv_bytes_per_block(spec, 16, torch.float32, "int8") == 2 * 2 * 16 * 2 * (16 + 4)
