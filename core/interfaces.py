@@ -1,29 +1,111 @@
-"""The plugin Protocols. A policy implements one of these and imports nothing but ``core``."""
+"""The plugin Protocols. A policy implements one of these and imports nothing but ``core``.
+
+This module depends only on ``core.batch`` and ``core.request``; the KV cache and the replica implement what
+it declares (``SchedulerView``, ``EvictionPolicy``'s ``Block``), never the other way round.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from core.batch import Batch
 from core.request import Request, RequestState
 
-if TYPE_CHECKING:
-    from core.kv_cache import Block
-    from core.replica import SchedulerView
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """Per-step budgets every scheduler must respect, and request limits the replica enforces."""
+
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    max_num_seqs: int = 128  # sequences in one step / running at once
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    request_timeout_s: float | None = None  # a request not finished this long after arrival is TIMED_OUT
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # the model's EOS ids (empty: none known)
+    vocab_size: int | None = None  # when set, explicit prompt token ids must lie in [0, vocab_size)
+    ignore_eos: bool = False  # default of Request.ignore_eos: True generates exactly max_new_tokens (stop ids aside)
+
+    def __post_init__(self) -> None:
+        for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"scheduler.{key} must be >= 1, got {getattr(self, key)}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
+
+
+class SchedulerView(Protocol):
+    """What a Scheduler sees and may do during one ``schedule`` call (``core.replica.ReplicaSchedulerView``).
+
+    Read: the time, the waiting queue (in order) and the running list (in admission order), the limits, the
+    ids preempted so far in this call, and the KV pool's block size and free-block count. Do: look a waiting
+    request's cached prefix up, admit it, grow a running request, preempt one. The queues change only through
+    ``admit`` and ``preempt``; the KV pool only through ``admit``, ``allocate`` and ``preempt``.
+    """
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def waiting(self) -> Sequence[RequestState]: ...
+
+    @property
+    def running(self) -> Sequence[RequestState]: ...
+
+    @property
+    def limits(self) -> SchedulerLimits: ...
+
+    @property
+    def preempted(self) -> Sequence[str]: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks an allocation can take now (free plus evictable)."""
+
+    blocked: RequestState | None
+    """A waiting request the scheduler cannot place even on an idle replica; the replica then rejects it
+    (default: the head of the queue) instead of idling forever."""
+
+    def lookup(self, state: RequestState) -> int:
+        """Tokens of a waiting request the prefix cache would skip (no side effects)."""
+
+    def admit(self, state: RequestState, num_tokens: int) -> bool:
+        """Move a waiting request to running with its cached prefix plus room for ``num_tokens`` new tokens.
+        False, changing nothing, when the KV pool cannot hold them."""
+
+    def allocate(self, state: RequestState, num_tokens: int) -> bool:
+        """Room for ``num_tokens`` more tokens of a running request. False (no change) if the pool is full."""
+
+    def preempt(self, state: RequestState) -> None:
+        """Recompute preemption: drop the running request's KV and put it at the head of the waiting queue."""
 
 
 @runtime_checkable
 class Scheduler(Protocol):
     """Decides what one step of one replica runs.
 
-    ``view`` exposes the waiting queue, the running list, the KV cache (lookup / allocate) and the
-    limits; the scheduler admits, preempts and returns a ``Batch``. The replica validates the batch.
+    ``view`` (a ``SchedulerView``) exposes the waiting queue, the running list, the limits and the KV pool
+    through lookup / admit / allocate / preempt; the scheduler returns a ``Batch``. The replica validates it.
     """
 
     def schedule(self, view: SchedulerView) -> Batch: ...
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One KV block as the KV cache manager keeps it and an eviction policy reads it (policies never change it)."""
+
+    id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while the block holds a registered (full, computed) prefix block
+    depth: int = 0  # position in its prefix chain: covers tokens [depth*block_size, (depth+1)*block_size)
+    num_hits: int = 0  # times reused through the prefix cache since it was cached
+    last_used_s: float = 0.0
+    cached_s: float = 0.0
 
 
 @runtime_checkable
@@ -113,6 +195,32 @@ class StepOutput:
 
 @runtime_checkable
 class Executor(Protocol):
-    """Runs a batch. The simulator's executor asks a cost model; the engine's runs the model."""
+    """Runs a batch. The simulator's executor asks a cost model; the engine's runs the model.
+
+    Everything the serving loop (``core.loop``) uses is declared here; ``BaseExecutor`` has the defaults.
+    """
+
+    stopwatch: Callable[[], float] | None
+    """How a measuring executor reads time (e.g. ``time.perf_counter``); the loop times ``schedule()`` with it
+    and adds that to the step, so a measured step runs from one schedule() to the next. None: the duration is
+    predicted (a cost model, a replayed recording) and scheduling takes no simulated time."""
 
     def execute(self, batch: Batch) -> StepOutput: ...
+
+    def release(self, request_id: str) -> None:
+        """A request reached a terminal status: drop whatever the executor kept for it."""
+
+    def finish(self) -> None:
+        """The run ended: check that the executor's own record agrees (a replay must have used every step)."""
+
+
+class BaseExecutor:
+    """No-op defaults for the optional parts of ``Executor``: a predicting executor, nothing kept per request."""
+
+    stopwatch: Callable[[], float] | None = None
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass

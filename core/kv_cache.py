@@ -8,21 +8,9 @@ evictable (refcount 0, still holding a cached prefix block; ordered by the Evict
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-from core.interfaces import EvictionPolicy
+from core.interfaces import Block, EvictionPolicy  # Block lives with the EvictionPolicy that reads it
 from core.request import RequestState
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    id: int
-    ref_count: int = 0
-    hash: int | None = None  # set while the block holds a registered (full, computed) prefix block
-    depth: int = 0  # position in its prefix chain: covers tokens [depth*block_size, (depth+1)*block_size)
-    num_hits: int = 0  # times reused through the prefix cache since it was cached
-    last_used_s: float = 0.0
-    cached_s: float = 0.0
 
 
 class KVCacheManager:
@@ -63,6 +51,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks in the request's table (0 if it holds none): room for ``num_blocks_held * block_size`` tokens."""
+        return len(self._tables.get(request_id, ()))
 
     def _hits(self, state: RequestState) -> list[int]:
         """Block ids of the longest cached prefix; the last token is always recomputed (its logits are needed)."""

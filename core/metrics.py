@@ -12,7 +12,7 @@ Per request (``request_metrics``):
 Summary (``summarize``): warmup requests are excluded everywhere. Latency stats (ttft/tpot/itl/e2e/
 max_stall/queue/prefill_span), throughput and ``stall_share_over_threshold`` use completed (FINISHED)
 requests; ITL stats pool every ITL sample (token-weighted). Counts, SLO attainment, goodput and the
-prefix metrics use every non-warmup request, so rejected and timed-out requests stay in the denominators.
+prefix metrics use every non-warmup request, so rejected, timed-out and cancelled requests stay in the denominators.
 ``duration_s`` runs from the first arrival to the last terminal event. Group stats are computed from each
 group's own samples, never from other percentiles. Empty populations give ``count`` 0 and None values (null in JSON).
 """
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from core import arithmetic
 from core.request import RequestState, Status
 from core.specs import ModelSpec
 
@@ -112,11 +113,9 @@ def prefix_work(n: Any, a: float, b: float) -> Any:
 
 
 def prefix_cost_coeffs(model: ModelSpec) -> tuple[float, float]:
-    """(a, b) for ``prefix_work`` in FLOPs: linear layers per token, and QK^T + PV per attention pair."""
-    q, kv, h = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.hidden_size
-    a = 2.0 * model.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * model.intermediate_size)
-    b = 4.0 * model.num_layers * q
-    return a, b
+    """(a, b) for ``prefix_work`` in FLOPs: linear layers per token, and QK^T + PV per attention pair
+    (``core.arithmetic``'s linear_flops_per_token and attention_flops_per_pair)."""
+    return arithmetic.linear_flops_per_token(model), arithmetic.attention_flops_per_pair(model)
 
 
 @dataclass(frozen=True)
@@ -221,6 +220,7 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
         "num_completed": counts[Status.FINISHED.value],
         "num_rejected": counts[Status.REJECTED.value],
         "num_timed_out": counts[Status.TIMED_OUT.value],
+        "num_cancelled": counts[Status.CANCELLED.value],
         "counts_by_status": counts,
         "duration_s": float(duration) if measured else None,
         "percentile_method": percentile_method,

@@ -11,59 +11,48 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from core.batch import Batch
-from core.interfaces import ReplicaView, Scheduler
+from core.interfaces import ReplicaView, Scheduler, SchedulerLimits, SchedulerView
 from core.kv_cache import KVCacheManager
 from core.prompt import block_hashes
 from core.request import Request, RequestState, Status
 
 OnTerminal = Callable[[RequestState, float], None]
 
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    """Per-step budgets every scheduler must respect, and request limits the replica enforces."""
-
-    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
-    max_num_seqs: int = 128  # sequences in one step / running at once
-    max_model_len: int = 4096  # prompt + output tokens of one request
-    request_timeout_s: float | None = None  # a request not finished this long after arrival is TIMED_OUT
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # empty: generate exactly max_new_tokens
-    vocab_size: int | None = None  # when set, explicit prompt token ids must lie in [0, vocab_size)
-
-    def __post_init__(self) -> None:
-        for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"scheduler.{key} must be >= 1, got {getattr(self, key)}")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
+# SchedulerLimits and the SchedulerView Protocol are defined in core.interfaces; they stay importable from here.
+__all__ = ["OnTerminal", "Replica", "ReplicaSchedulerView", "SchedulerLimits", "SchedulerView"]
 
 
-class SchedulerView:
-    """What a Scheduler sees and may do during one ``schedule`` call."""
+class ReplicaSchedulerView:
+    """The ``SchedulerView`` a Replica hands its Scheduler: one object reused every step, holding the replica's
+    queues and (privately) its KV cache manager."""
+
+    __slots__ = ("now", "waiting", "running", "limits", "preempted", "blocked", "block_size", "_kv", "_allocate")
 
     def __init__(self, replica: Replica, now: float) -> None:
-        self._replica = replica
         self.now = now
         self.waiting: deque[RequestState] = replica.waiting
         self.running: list[RequestState] = replica.running
-        self.limits = replica.limits
-        self.kv = replica.kv
+        self.limits: SchedulerLimits = replica.limits
         self.preempted: list[str] = []
-        # A scheduler that cannot place a waiting request even on an idle replica names it here; the replica
-        # then rejects it (default: the head of the queue) instead of idling forever.
-        self.blocked: RequestState | None = None
+        self.blocked: RequestState | None = None  # see SchedulerView.blocked
+        self.block_size: int = replica.kv.block_size
+        self._kv = replica.kv
+        self._allocate = replica.kv.allocate  # bound once: allocate() runs for every running request every step
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._kv.num_free_blocks
 
     def lookup(self, state: RequestState) -> int:
         """Tokens of a waiting request the prefix cache would skip (no side effects)."""
-        return self.kv.lookup(state)
+        return self._kv.lookup(state)
 
     def admit(self, state: RequestState, num_tokens: int) -> bool:
         """Move a waiting request to running with its cached prefix plus room for ``num_tokens`` new tokens.
         Returns False, changing nothing, when the KV pool cannot hold them."""
-        if not self.kv.admit(state, num_tokens, self.now):
+        if not self._kv.admit(state, num_tokens, self.now):
             return False
         self.waiting.remove(state)
         self.running.append(state)
@@ -76,12 +65,12 @@ class SchedulerView:
 
     def allocate(self, state: RequestState, num_tokens: int) -> bool:
         """Room for ``num_tokens`` more tokens of a running request. False (no change) if the pool is full."""
-        return self.kv.allocate(state, num_tokens, self.now)
+        return self._allocate(state, num_tokens, self.now)
 
     def preempt(self, state: RequestState) -> None:
         """Recompute preemption: drop the running request's KV and put it at the head of the waiting queue."""
         self.running.remove(state)
-        self.kv.free(state, self.now)
+        self._kv.free(state, self.now)
         state.num_computed_tokens = 0
         state.num_preemptions += 1
         state.status = Status.PREEMPTED
@@ -99,8 +88,9 @@ class Replica:
         self.on_terminal: OnTerminal = on_terminal or (lambda state, now: None)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
-        self._view = SchedulerView(self, 0.0)
+        self._view = ReplicaSchedulerView(self, 0.0)
         self._last_hashed: tuple[Request | None, list[int]] = (None, [])
+        self._aborts: dict[str, tuple[RequestState, Status, str]] = {}  # running requests to end at next schedule()
 
     @property
     def has_work(self) -> bool:
@@ -125,11 +115,40 @@ class Replica:
             self._end(state, Status.REJECTED, now, reason)
             return state
         state.block_hashes = self._hashes(request)
+        state.stop_token_ids = self._stop_ids(request)
         self.waiting.append(state)
         return state
 
+    def abort(self, request_id: str, now: float, reason: str = "cancelled",
+              status: Status = Status.CANCELLED) -> RequestState | None:
+        """End a request early with ``status`` (CANCELLED: the client went away or the server cancelled it;
+        a server may also pass FINISHED, e.g. when it saw a stop string) and ``reason``.
+
+        A waiting or preempted request ends now (it leaves the queue; it holds no KV). A running one is marked and
+        ends at the start of this replica's next ``schedule()``, which frees its KV blocks and calls
+        ``on_terminal``: on a real-time clock the abort runs between steps, possibly while a step that includes it
+        is in flight (between ``execute`` and ``apply``), and ``apply`` must never see a request whose blocks
+        were freed. That step's token is still appended; if it finishes the request (EOS, stop id, length), it
+        ends FINISHED as usual and the abort is dropped. Returns the request's state, or None for an id this
+        replica does not hold (unknown, or already ended). Call it on the loop's thread.
+        """
+        if not status.terminal:
+            raise ValueError(f"abort: status must be terminal, got {status.name}")
+        for state in self.waiting:
+            if state.id == request_id:
+                self.waiting.remove(state)
+                self._end(state, status, now, reason)
+                return state
+        for state in self.running:
+            if state.id == request_id:
+                self._aborts.setdefault(request_id, (state, status, reason))  # the first abort's status wins
+                return state
+        return None
+
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Batch:
+        if self._aborts:
+            self._end_aborted(now)
         if self.limits.request_timeout_s is not None:
             self._expire(now)
         view = self._view  # one object reused every step (cheaper than building one per step)
@@ -149,7 +168,6 @@ class Replica:
         """Advance every chunk, append sampled tokens, finish requests, release their blocks."""
         sampled = iter(tokens)
         finished = False
-        eos = self.limits.eos_token_ids
         bs = self.kv.block_size
         for ch in batch.chunks:
             state = ch.state
@@ -165,7 +183,9 @@ class Replica:
             state.token_times.append(end_s)
             if state.first_token_s is None:
                 state.first_token_s = end_s
-            if len(state.output_token_ids) >= state.request.max_new_tokens or tok in eos:
+            n = len(state.output_token_ids)
+            # a stop token (EOS unless ignored, or a stop id: state.stop_token_ids) counts after min_tokens others
+            if n >= state.request.max_new_tokens or (tok in state.stop_token_ids and n > state.request.min_tokens):
                 state.status = Status.FINISHED
                 finished = True
         if next(sampled, None) is not None:
@@ -183,6 +203,22 @@ class Replica:
         state.reason = reason
         self.kv.free(state, now)
         self.on_terminal(state, now)
+
+    def _end_aborted(self, now: float) -> None:
+        """End the running requests ``abort`` marked (unless the last step finished them already)."""
+        aborts, self._aborts = self._aborts, {}
+        for state, status, reason in aborts.values():
+            if state.status.terminal:
+                continue
+            (self.running if state in self.running else self.waiting).remove(state)
+            self._end(state, status, now, reason)
+
+    def _stop_ids(self, request: Request) -> frozenset[int]:
+        """The token ids that end ``request``: the model's EOS unless ignored, plus its own stop ids."""
+        limits = self.limits
+        ignore = limits.ignore_eos if request.ignore_eos is None else request.ignore_eos
+        eos = frozenset() if ignore else limits.eos_token_ids
+        return eos | frozenset(request.stop_token_ids) if request.stop_token_ids else eos
 
     def _expire(self, now: float) -> None:
         deadline = now - self.limits.request_timeout_s
@@ -202,13 +238,13 @@ class Replica:
         if f.num_seqs > self.limits.max_num_seqs:
             raise RuntimeError(f"{name}: {f.num_seqs} sequences > max_num_seqs {self.limits.max_num_seqs}")
         seen = set()
-        tables, bs, running = self.kv._tables, self.kv.block_size, Status.RUNNING
+        held, bs, running = self.kv.num_blocks_held, self.kv.block_size, Status.RUNNING
         for ch in batch.chunks:
             state = ch.state
             if state.status is not running or state.id in seen:
                 raise RuntimeError(f"{name}: request {state.id} is {state.status.name} or scheduled twice")
             seen.add(state.id)
-            if len(tables[state.id]) * bs < ch.end:
+            if held(state.id) * bs < ch.end:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end} without KV blocks")
 
     def view(self) -> ReplicaView:

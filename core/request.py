@@ -13,10 +13,44 @@ class Status(enum.Enum):
     FINISHED = "FINISHED"
     REJECTED = "REJECTED"
     TIMED_OUT = "TIMED_OUT"
+    CANCELLED = "CANCELLED"  # the client went away or the server cancelled it (Replica.abort)
 
     @property
     def terminal(self) -> bool:
-        return self in (Status.FINISHED, Status.REJECTED, Status.TIMED_OUT)
+        return self in (Status.FINISHED, Status.REJECTED, Status.TIMED_OUT, Status.CANCELLED)
+
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is drawn from the logits: greedy, or temperature with top-k / top-p (nucleus) filtering.
+
+    An engine has a default (``conf/backend/engine.yaml``: temperature, top_p, top_k); a request may carry its own
+    (``Request.sampling``). ``seed`` (requests only): the request draws from its own generator seeded with it, so
+    its tokens do not depend on what else is batched with it; None: the engine's shared generator.
+    """
+
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0: no limit
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"sampling.seed must be null or an int in [-2**63, 2**64), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +61,10 @@ class Request:
     ``prompt_token_ids`` (real tokens), ``hash_ids`` (Mooncake-style content ids, each standing for
     ``hash_block_size`` fixed pseudo-random tokens, see ``core.prompt``) or neither (content unique to
     this request: it shares nothing). ``prompt_len`` is always set.
+
+    Stop conditions: a request ends after ``max_new_tokens`` outputs, or at a stop token (the model's EOS ids
+    unless ``ignore_eos``, plus ``stop_token_ids``) sampled after at least ``min_tokens`` other outputs; the stop
+    token is kept as the last output token. An earlier stop token is an ordinary output token.
     """
 
     id: str
@@ -41,6 +79,11 @@ class Request:
     slo_class: str = "default"
     ttft_deadline_s: float | None = None  # relative to arrival; used by SLO-aware schedulers
     warmup: bool = False  # run, but excluded from every metric
+    # Request-level options (an API server sets them; workloads leave the defaults)
+    sampling: SamplingParams | None = None  # None: the engine's default (the simulator ignores sampling)
+    ignore_eos: bool | None = None  # None: the replica's default (SchedulerLimits.ignore_eos)
+    min_tokens: int = 0  # a stop token (EOS or stop_token_ids) ends the request only after this many other tokens
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (as vLLM's), even with ignore_eos
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -55,6 +98,20 @@ class Request:
         if self.hash_ids is not None and len(self.hash_ids) * self.hash_block_size < self.prompt_len:
             raise ValueError(f"request {self.id}: {len(self.hash_ids)} hash_ids x {self.hash_block_size} tokens "
                              f"cannot cover prompt_len {self.prompt_len}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"request {self.id}: sampling must be a SamplingParams or None, got {self.sampling!r}")
+        if self.ignore_eos is not None and not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"request {self.id}: ignore_eos must be true, false or None, got {self.ignore_eos!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"request {self.id}: min_tokens must be an int in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_tokens!r}")
+        if self.stop_token_ids:
+            if not isinstance(self.stop_token_ids, tuple):  # a list from JSON: keep the request hashable
+                object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+                raise ValueError(f"request {self.id}: stop_token_ids must be non-negative ints, "
+                                 f"got {list(self.stop_token_ids)}")
 
 
 @dataclass(slots=True, eq=False)
@@ -78,8 +135,10 @@ class RequestState:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times: list[float] = field(default_factory=list)  # one output event per sampled token
-    reason: str = ""  # why REJECTED / TIMED_OUT
+    reason: str = ""  # why REJECTED / TIMED_OUT / CANCELLED
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
+    # token ids that end this request (EOS unless ignored, plus its stop_token_ids); set once by Replica.add
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.id = self.request.id

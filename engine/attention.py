@@ -1,4 +1,7 @@
-"""Paged attention for one flattened varlen step: the step's metadata, the per-layer KV cache, and its sizing."""
+"""Paged attention for one flattened varlen step: the step's metadata and the per-layer KV cache tensors.
+
+How many blocks a memory budget holds is ``core.arithmetic.num_blocks_for_memory`` (its bytes per block are
+these tensors' bytes; tests/core/test_arithmetic.py checks that against ``allocate_kv_caches``)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from core import arithmetic
 from core.specs import ModelSpec
 from kernels.attention import AttentionPlan
 
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = tuple(arithmetic.KV_DTYPE_BITS)  # "auto" (the model dtype), "int8"
 INT8_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head), as kernels.kv_store writes them
+assert INT8_SCALE_DTYPE.itemsize == arithmetic.KV_INT8_SCALE_BYTES, "core.arithmetic must count the scales stored"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,29 +53,6 @@ def paged_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def _check_kv_dtype(kv_dtype: str) -> None:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {list(KV_DTYPES)}")
-
-
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-    """Bytes one block takes over all layers (K and V, plus int8 scales)."""
-    _check_kv_dtype(kv_dtype)
-    slots = block_size * spec.num_kv_heads
-    if kv_dtype == "int8":
-        per_layer = slots * (spec.head_dim + INT8_SCALE_DTYPE.itemsize)
-    else:
-        per_layer = slots * spec.head_dim * dtype.itemsize
-    return 2 * spec.num_layers * per_layer
-
-
-def num_blocks_for_memory(spec: ModelSpec, block_size: int, bytes_budget: float, kv_dtype: str = "auto",
-                          dtype: torch.dtype | None = None) -> int:
-    """How many blocks fit in ``bytes_budget`` bytes (dtype defaults to the spec's)."""
-    dtype = dtype or getattr(torch, spec.dtype)
-    per_block = kv_bytes_per_block(spec, block_size, dtype, kv_dtype)
-    n = int(bytes_budget // per_block)
-    if n < 1:
-        raise ValueError(f"kv memory budget {bytes_budget:.0f} B holds no block of {per_block} B "
-                         f"(block_size={block_size}, kv_dtype={kv_dtype})")
-    return n
 
 
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.batch import Batch
-from core.interfaces import StepOutput
+from core.interfaces import BaseExecutor, StepOutput
 from core.specs import ModelSpec
 from engine.attention import allocate_kv_caches
 from engine.loader import build_model
@@ -27,15 +27,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class EngineExecutor:
-    """execute(batch) -> StepOutput(tokens, duration_s): wall time of input prep + forward + sampling.
+# How a step is timed. ``thread``: the CPU time of the calling thread. On a CPU engine with one torch thread every
+# operator runs on that thread, so its CPU time is the step's compute time without the time other processes held
+# the core: on a shared machine the wall clock of a step swings by tens of percent with the neighbours' load, the
+# thread's CPU time far less. Anything else (a GPU, several torch threads, the server) needs ``wall``.
+STOPWATCHES = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+class EngineExecutor(BaseExecutor):
+    """execute(batch) -> StepOutput(tokens, duration_s): measured time of input prep + forward + sampling.
 
     Block tables come from the replica's KVCacheManager (the scheduler allocated them before the step).
     """
 
-    wall_clock = True  # the driver adds the measured schedule() time: a step runs from one schedule() to the next
-
-    def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager) -> None:
+    def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, clock: str = "wall") -> None:
+        if clock not in STOPWATCHES:
+            raise ValueError(f"engine clock {clock!r}; allowed: {list(STOPWATCHES)}")
+        self.clock = clock
+        self.stopwatch = STOPWATCHES[clock]  # the loop adds schedule() time read on the same stopwatch
         if kv_manager.block_size != runner.block_size:
             raise ValueError(f"KV manager block_size={kv_manager.block_size} != runner block_size="
                              f"{runner.block_size}")
@@ -46,27 +55,32 @@ class EngineExecutor:
 
     def execute(self, batch: Batch) -> StepOutput:
         _sync(self.runner.device)
-        t0 = time.perf_counter()
+        t0 = self.stopwatch()
         tokens = self.runner.execute(batch, self.kv_manager.block_table)
         _sync(self.runner.device)
-        return StepOutput(tokens, time.perf_counter() - t0)
+        return StepOutput(tokens, self.stopwatch() - t0)
 
     def warmup(self, steps: int = 2, prompt_len: int = 32) -> None:
-        """Untimed prefill + decode passes (allocator, kernel and thread-pool warm-up) before a measured run.
-        Uses the first blocks of the KV tensors, which hold nothing yet; the KV manager is not touched."""
-        from core.batch import Chunk
+        """Untimed prefill + decode passes (allocator, kernel and thread-pool warm-up) before a measured run: one
+        request's whole prompt, then its decodes. Its blocks come from a scratch KV manager over the first blocks of
+        the KV tensors (they hold nothing yet), admitted as a replica admits (core.shapes.admit_chunk); the replica's
+        KV manager is not touched, so no block stays held there and its free list keeps its order."""
+        from core.kv_cache import KVCacheManager
         from core.request import Request, RequestState
+        from core.shapes import admit_chunk
+        from policies.eviction.lru import LRUEviction
 
         bs = self.runner.block_size
         n = min(prompt_len, self.runner.spec.max_model_len - steps - 1, self.kv_manager.num_blocks * bs - steps - 1)
         if steps <= 0 or n < 1:
             return
+        kv = KVCacheManager(self.kv_manager.blocks_for(n + steps), bs, LRUEviction(), enable_prefix_caching=False)
         state = RequestState(Request("__warmup__", 0.0, n, steps, prompt_token_ids=tuple(range(n))))
-        table = list(range(self.kv_manager.blocks_for(n + steps)))
+        computed = 0
         for _ in range(steps):
-            chunk = Chunk.next(state, state.num_remaining_tokens)
-            state.output_token_ids.extend(self.runner.execute(Batch([chunk]), lambda rid: table))
-            state.num_computed_tokens = chunk.end
+            chunk = admit_chunk(kv, state, computed, state.num_tokens - computed)
+            state.output_token_ids.extend(self.runner.execute(Batch([chunk]), kv.block_table))
+            computed = chunk.end
         self.release(state.id)
 
     def release(self, request_id: str) -> None:
@@ -82,7 +96,7 @@ def resolve_kernels(name: str, device: str | torch.device) -> str:
 
 
 def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_managers: list[KVCacheManager],
-                           seed: int = 0) -> list[EngineExecutor]:
+                           seed: int = 0, clock: str = "wall") -> list[EngineExecutor]:
     """One executor per replica from a ``conf/backend/engine.yaml`` section; the replicas share one model."""
     allowed = {"name", "kernels", "device", "dtype", "quant", "quant_group_size", "kv_dtype", "temperature", "top_p",
                "top_k", "warmup_steps", "num_threads", "ignore_eos"}
@@ -114,27 +128,27 @@ def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_manag
         ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels,
                                    device=device, dtype=dtypes[backend.get("dtype")],
                                    quant=backend.get("quant"), group_size=int(backend.get("quant_group_size", 128)),
-                                   kv_dtype=backend.get("kv_dtype", "auto"), seed=seed, sampling=sampling, model=model)
+                                   kv_dtype=backend.get("kv_dtype", "auto"), seed=seed, sampling=sampling, model=model,
+                                   clock=clock)
         model = ex.runner.model
         ex.warmup(int(backend.get("warmup_steps", 2)))
         executors.append(ex)
     return executors
 
 
-def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, num_blocks: int | None = None,
-                          block_size: int | None = None, kernels: str = "torch", device: str = "cpu",
-                          dtype: torch.dtype | None = None, quant: str | None = None, group_size: int = 128,
-                          kv_dtype: str = "auto", seed: int = 0, sampling: SamplingParams | None = None,
-                          model: LlamaForCausalLM | None = None) -> EngineExecutor:
-    """One replica's executor. Pass ``model`` to share one set of weights between replicas (each executor gets
-    its own KV cache tensors); otherwise the model is loaded from ``spec.path`` or random-initialised from
-    ``seed``. ``num_blocks`` / ``block_size`` default to the KV manager's."""
-    num_blocks = num_blocks or kv_manager.num_blocks
-    block_size = block_size or kv_manager.block_size
+def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernels: str = "torch",
+                          device: str = "cpu", dtype: torch.dtype | None = None, quant: str | None = None,
+                          group_size: int = 128, kv_dtype: str = "auto", seed: int = 0,
+                          sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
+                          clock: str = "wall") -> EngineExecutor:
+    """One replica's executor, with KV tensors for the manager's pool. Pass ``model`` to share one set of weights
+    between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
+    ``spec.path`` or random-initialised from ``seed``."""
+    num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
     kernel_set = get_kernels(kernels)
     if model is None:
         model = build_model(spec, seed=seed, dtype=dtype, device=device, quant=quant, group_size=group_size)
     caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)
     sampler = Sampler(sampling, seed=seed, device=model.device)
     runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)
-    return EngineExecutor(runner, kv_manager)
+    return EngineExecutor(runner, kv_manager, clock)

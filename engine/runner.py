@@ -31,6 +31,8 @@ class StepInputs:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # int64 [n]: last token of each sampling chunk
+    # the request of each logits row when one of them carries its own sampling params; None: all use the default
+    sample_states: list[RequestState] | None = None
 
 
 class ModelRunner:
@@ -60,8 +62,9 @@ class ModelRunner:
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's materialised prompt."""
+        """Forget a finished request's materialised prompt (and its own sampling generator, if it had one)."""
         self._prompts.pop(request_id, None)
+        self.sampler.release(request_id)
 
     def _prompt(self, state: RequestState) -> list[int]:
         entry = self._prompts.get(state.id)
@@ -83,7 +86,7 @@ class ModelRunner:
         ids: list[int] = []
         flat_blocks: list[int] = []
         starts, lens, num_blocks, logits_rows = [], [], [], []
-        offset = 0
+        offset, own_sampling = 0, False
         for ch in batch.chunks:
             state, s, e = ch.state, ch.start, ch.end
             rid = state.id
@@ -108,6 +111,8 @@ class ModelRunner:
             offset += ch.num_tokens
             if ch.samples:
                 logits_rows.append(offset - 1)
+                if state.request.sampling is not None:
+                    own_sampling = True
         if len(ids) != offset:
             raise ValueError(f"batch asks for {offset} tokens but requests only have {len(ids)} (chunk past the end)")
         max_seq_len = max(map(int.__add__, starts, lens))
@@ -131,10 +136,13 @@ class ModelRunner:
         dev = self.device
         to_dev = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev, non_blocking=True)
         seq_lens = (starts_a + lens_a).astype(np.int32)
+        if self._decode_cache is not None:
+            self._decode_cache.claim(tuple(ch.state.id for ch in batch.chunks if ch.num_tokens == 1))
         plan = plan_attention(tables, seq_lens, qsl, bs, self._decode_cache, dev) if self._plan_attention else None
         meta = AttentionMetadata(to_dev(slots), to_dev(qsl), to_dev(seq_lens), to_dev(tables), max(lens), max_seq_len,
                                  plan)
-        return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a))
+        sample_states = [ch.state for ch in batch.chunks if ch.samples] if own_sampling else None
+        return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a), sample_states)
 
     @torch.inference_mode()
     def execute(self, batch: Batch, block_table: Callable[[str], list[int]]) -> list[int]:
@@ -147,4 +155,4 @@ class ModelRunner:
         if inputs.logits_rows.numel() == 0:
             return []
         logits = self.model.compute_logits(hidden)
-        return self.sampler(logits).tolist()
+        return self.sampler(logits, inputs.sample_states).tolist()

@@ -20,6 +20,7 @@ import time
 import torch
 
 from core.kv_cache import KVCacheManager
+from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request
 from core.specs import ModelSpec
@@ -28,7 +29,7 @@ from engine.loader import build_model
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.simulator import Simulation
+from sim.clock import simulate
 
 
 class _Timed:
@@ -79,7 +80,7 @@ def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[
     reqs = [Request(f"r{i}", 0.0, len(p), n, prompt_token_ids=tuple(p)) for i, (p, n) in pairs]
     cpu0 = time.process_time()
     try:
-        res = Simulation([replica], [ex], RoundRobinRouter(), _Requests(reqs)).run()
+        res = simulate(ServingLoop([replica], [ex], RoundRobinRouter(), _Requests(reqs)))
     finally:
         del ex.runner.model.forward  # the model is shared between runs: drop the instance-level wrapper
     cpu_s = time.process_time() - cpu0

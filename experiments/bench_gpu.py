@@ -22,17 +22,16 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from core.batch import Batch, Chunk
+from core import arithmetic as ar
 from core.kv_cache import KVCacheManager
 from core.records import StepRecord
-from core.request import Request, RequestState
+from core.shapes import ShapedBatch
 from core.specs import HardwareSpec, ModelSpec
 from engine.executor import build_engine_executor
 from kernels.ops import get_kernels
 from kernels.rope import rope_cos_sin
 from kernels.w4a16 import quantize_w4
 from policies.eviction.lru import LRUEviction
-from sim.cost import arithmetic as ar
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 BLOCK = 16
@@ -110,21 +109,6 @@ def _pair(name, shape, op, ref, tri, device, reps) -> dict:
     return row
 
 
-def _states(n: int, ctx: int, kv: KVCacheManager, vocab: int, decode: bool) -> list[RequestState]:
-    """``n`` requests holding ``ctx`` tokens in the KV pool (decode) or about to prefill ``ctx`` tokens."""
-    out = []
-    for i in range(n):
-        ids = tuple((j * 7 + i) % vocab for j in range(ctx))
-        st = RequestState(Request(f"b{i}", 0.0, ctx, 2, prompt_token_ids=ids))
-        assert kv.admit(st, ctx, 0.0), "KV pool too small for the benchmark shape"
-        if decode:
-            st.num_computed_tokens = ctx
-            st.output_token_ids.append(1)
-            assert kv.allocate(st, 1, 0.0)
-        out.append(st)
-    return out
-
-
 def step_rows(spec: ModelSpec, hw: HardwareSpec, device: str, kernels: str, dtype: torch.dtype, reps: int,
               quick: bool) -> tuple[list[dict], list[StepRecord]]:
     batches = [1, 4] if quick else [1, 8, 32, 64, 128]
@@ -137,8 +121,8 @@ def step_rows(spec: ModelSpec, hw: HardwareSpec, device: str, kernels: str, dtyp
     kv_tok = ar.kv_bytes_per_token(spec)
     rows, records = [], []
 
-    def measure(states: list[RequestState], n_tokens: int, kind: str, **info) -> None:
-        batch = Batch([Chunk.next(s, n_tokens) for s in states])
+    def measure(shape: ShapedBatch, kind: str, **info) -> None:
+        batch = shape.admit(kv)  # the shape's requests hold their blocks while the batch is timed
         t = timeit(lambda: ex.runner.execute(batch, kv.block_table), ex.runner.device, reps)
         f = batch.features
         records.append(StepRecord(0, 0.0, t, f, kv.num_used_blocks, 0))
@@ -151,17 +135,13 @@ def step_rows(spec: ModelSpec, hw: HardwareSpec, device: str, kernels: str, dtyp
                      * ar.attention_flops_per_pair(spec) + ar.lm_head_flops_per_token(spec))
             row.update(tflops=flops / t / 1e12, fraction_of_peak_flops=flops / t / hw.peak_flops)
         rows.append(row)
+        shape.release(kv)
 
-    for ctx in contexts:
+    for ctx in contexts:  # decodes of one token after ctx tokens already in the pool
         for b in batches:
-            states = _states(b, ctx, kv, spec.vocab_size, decode=True)
-            measure(states, 1, "decode", batch=b, context=ctx)
-            for s in states:
-                kv.free(s, 0.0)
+            measure(ShapedBatch(decodes=(ctx + 1,) * b, name=f"decode{b}x{ctx}"), "decode", batch=b, context=ctx)
     for n in prefills:
-        (state,) = _states(1, n, kv, spec.vocab_size, decode=False)
-        measure([state], n, "prefill", tokens=n)
-        kv.free(state, 0.0)
+        measure(ShapedBatch(prefills=((0, n),), name=f"prefill{n}"), "prefill", tokens=n)
     return rows, records
 
 

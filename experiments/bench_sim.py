@@ -11,10 +11,10 @@ import time
 
 from hydra import compose, initialize_config_dir
 
+from core.loop import ServingLoop
 from core.workload.replay import AzureTrace
-from experiments.build import CONF_DIR, _instantiate, replicas_for
-from sim.executor import CostModelExecutor
-from sim.simulator import Simulation
+from experiments.build import CONF_DIR, build_executors, instantiate_group, model_spec, replicas_for
+from sim.clock import simulate
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,14 +28,13 @@ def main(argv: list[str] | None = None) -> dict:
                                            f"replicas={args.replicas}", f"router={args.router}",
                                            "scheduler.max_num_batched_tokens=2048", "scheduler.max_num_seqs=256"])
     replicas = replicas_for(cfg)
-    cost = _instantiate(cfg.cost_model, "cost_model")
+    executors = build_executors(cfg, model_spec(cfg), replicas)
     t0 = time.perf_counter()
     workload = AzureTrace(limit=args.limit)
     load_s = time.perf_counter() - t0
-    sim = Simulation(replicas, [CostModelExecutor(cost) for _ in replicas], _instantiate(cfg.router, "router"),
-                     workload)
+    loop = ServingLoop(replicas, executors, instantiate_group(cfg.router, "router"), workload)
     cpu0 = time.process_time()
-    res = sim.run()
+    res = simulate(loop)
     cpu_s = time.process_time() - cpu0
     out = {"requests": len(res.states), "steps": len(res.steps), "simulated_s": res.end_s, "wall_s": res.wall_s,
            "trace_load_s": load_s, "sim_s_per_wall_s": res.end_s / res.wall_s,

@@ -1,6 +1,7 @@
-"""Wiring: turn a composed Hydra config into replicas, executors, a router and a workload, then run.
+"""Wiring: turn a composed Hydra config into replicas, executors, a router and a workload: a ``ServingLoop``.
 
-Plugins are instantiated once per run (one scheduler and eviction policy per replica), never per step.
+Plugins are instantiated once per run (one scheduler and eviction policy per replica), never per step. This is
+the one place that knows both backends: sim/ and engine/ never import each other.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from core import arithmetic
 from core.interfaces import Executor
 from core.kv_cache import KVCacheManager
+from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost import arithmetic
-from sim.simulator import RunResult, Simulation
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BACKENDS = ("sim", "engine")
+ENGINE_CLOCKS = ("auto", "wall", "thread")
 LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")
-INT8_SCALE_BYTES = 4  # engine/attention.py keeps int8 KV scales in float32
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -39,9 +40,13 @@ def hardware_spec(cfg: DictConfig) -> HardwareSpec:
 
 
 def kv_bits(cfg: DictConfig) -> int:
-    """KV element width both backends assume: 8 with an int8 KV cache, else 16 (the model dtype's width)."""
+    """KV element width both backends assume: 8 with an int8 KV cache (plus its float32 scales, which
+    ``core.arithmetic`` counts), else 16 (the model dtype's width)."""
     if cfg.backend.name == "engine":
-        return 8 if cfg.backend.get("kv_dtype") == "int8" else 16
+        kv_dtype = cfg.backend.get("kv_dtype") or "auto"
+        if kv_dtype not in arithmetic.KV_DTYPE_BITS:
+            raise ValueError(f"backend.kv_dtype={kv_dtype!r}; allowed: {list(arithmetic.KV_DTYPE_BITS)}")
+        return arithmetic.kv_bits_of(kv_dtype)
     return int(cfg.cost_model.get("kv_bits", 16))
 
 
@@ -55,16 +60,21 @@ def weight_format(cfg: DictConfig) -> tuple[int, int]:
 
 def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
     """``kv.num_blocks``, else ``kv.memory_bytes`` worth of blocks, else what the hardware's memory holds
-    after the weights. Both backends size the pool with this one function, so they see the same pool."""
+    after the weights. Both backends size the pool with this one function, so they see the same pool.
+
+    Bytes are what the engine stores (``core.arithmetic``): int8 KV with its float32 scales, W4 weights with a
+    scale and zero point per group, and on the engine backend in ``backend.dtype`` when it overrides the model's."""
     kv = cfg.kv
     if _int(kv, "block_size", "kv") < 1:
         raise ValueError(f"kv.block_size must be >= 1, got {kv.block_size}")
     if kv.num_blocks is not None:
         return _int(kv, "num_blocks", "kv")
-    per_token = arithmetic.kv_bytes_per_token(spec, kv_bits(cfg))
-    if kv_bits(cfg) == 8:  # an int8 KV cache also stores one float32 scale per (token, head) for K and for V
-        per_token += 2 * spec.num_layers * spec.num_kv_heads * INT8_SCALE_BYTES
-    per_block = per_token * kv.block_size
+    dtype = cfg.backend.get("dtype") if cfg.backend.name == "engine" else None
+    if dtype and dtype != spec.dtype:  # the engine allocates KV (and keeps weights) in backend.dtype
+        if dtype not in arithmetic.DTYPE_BYTES:
+            raise ValueError(f"backend.dtype={dtype!r}; allowed: {list(arithmetic.DTYPE_BYTES)}")
+        spec = ModelSpec.from_mapping({**spec.to_dict(), "dtype": dtype})
+    per_block = arithmetic.kv_bytes_per_block(spec, kv.block_size, kv_bits(cfg))
     budget = kv.memory_bytes
     if budget is None:
         weights = arithmetic.weight_bytes(spec, *weight_format(cfg))
@@ -72,7 +82,7 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
         if budget <= 0:
             raise ValueError(f"model {spec.name} ({weights / 1e9:.1f} GB of weights) does not "
                              f"fit hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
-    blocks = int(budget // per_block)
+    blocks = arithmetic.num_blocks_for_memory(spec, kv.block_size, budget, kv_bits(cfg))
     if blocks < 1:
         raise ValueError(f"kv.memory_bytes={budget:.3g} holds no block of {per_block:.3g} bytes")
     return blocks
@@ -85,7 +95,8 @@ def _without(node: DictConfig, keys) -> DictConfig:
     return OmegaConf.create(d)
 
 
-def _instantiate(node: DictConfig, group: str, **kwargs) -> Any:
+def instantiate_group(node: DictConfig, group: str, **kwargs) -> Any:
+    """Hydra's instantiate for one config group, failing with the key to fix."""
     if "_target_" not in node:
         raise ValueError(f"{group} config has no _target_; choose one of conf/{group}/*.yaml or set {group}._target_")
     try:
@@ -107,15 +118,15 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
     limits = SchedulerLimits(max_num_batched_tokens=_int(sched, "max_num_batched_tokens", "scheduler"),
                              max_num_seqs=_int(sched, "max_num_seqs", "scheduler"), max_model_len=spec.max_model_len,
                              request_timeout_s=timeout, vocab_size=spec.vocab_size,
-                             eos_token_ids=frozenset(spec.eos_token_ids) if stop_at_eos else frozenset())
+                             eos_token_ids=frozenset(spec.eos_token_ids), ignore_eos=not stop_at_eos)
     n = _int(cfg, "replicas")
     if n < 1:
         raise ValueError(f"replicas must be >= 1, got {n}")
     if not isinstance(cfg.kv.prefix_caching, bool):
         raise ValueError(f"kv.prefix_caching must be true or false, got {cfg.kv.prefix_caching!r}")
-    sched_node = _without(sched, LIMIT_KEYS)
-    return [Replica(i, _instantiate(sched_node, "scheduler"),
-                    KVCacheManager(num_blocks, _int(cfg.kv, "block_size", "kv"), _instantiate(cfg.eviction, "eviction"),
+    sched_node, block_size = _without(sched, LIMIT_KEYS), _int(cfg.kv, "block_size", "kv")
+    return [Replica(i, instantiate_group(sched_node, "scheduler"),
+                    KVCacheManager(num_blocks, block_size, instantiate_group(cfg.eviction, "eviction"),
                                    cfg.kv.prefix_caching), limits)
             for i in range(n)]
 
@@ -128,18 +139,36 @@ def _int(node: DictConfig, key: str, section: str = "") -> int:
     return int(v)
 
 
+def engine_clock(cfg: DictConfig) -> str:
+    """The stopwatch of engine steps (``engine.executor.STOPWATCHES``): ``engine_clock`` wall | thread, or auto
+    (thread for the CPU engine on one torch thread, else wall). thread needs that CPU setting."""
+    clock = cfg.get("engine_clock", "auto") or "auto"
+    if clock not in ENGINE_CLOCKS:
+        raise ValueError(f"engine_clock={clock!r}; allowed: {list(ENGINE_CLOCKS)}")
+    b = cfg.backend
+    one_cpu_thread = b.get("device", "cpu") == "cpu" and b.get("num_threads") == 1
+    if clock == "auto":
+        return "thread" if one_cpu_thread else "wall"
+    if clock == "thread" and b.name == "engine" and not one_cpu_thread:
+        raise ValueError(f"engine_clock=thread needs backend.device=cpu and backend.num_threads=1, got "
+                         f"device={b.get('device')!r} num_threads={b.get('num_threads')!r}; or set engine_clock=wall")
+    return clock
+
+
 def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -> list[Executor]:
+    """One executor per replica: a cost model's (sim) or a model's, timed on ``engine_clock`` (engine)."""
     name = cfg.backend.name
     if name == "sim":
         from sim.executor import CostModelExecutor
 
-        cost = _instantiate(cfg.cost_model, "cost_model")
+        cost = instantiate_group(cfg.cost_model, "cost_model")
         return [CostModelExecutor(cost) for _ in replicas]
     if name == "engine":
         from engine.executor import build_engine_executors
 
         backend = OmegaConf.to_container(cfg.backend, resolve=True)
-        return build_engine_executors(spec, backend, [r.kv for r in replicas], seed=int(cfg.seed))
+        return build_engine_executors(spec, backend, [r.kv for r in replicas], seed=int(cfg.seed),
+                                      clock=engine_clock(cfg))
     raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
 
 
@@ -149,49 +178,23 @@ def replicas_for(cfg: DictConfig) -> list[Replica]:
     return build_replicas(cfg, spec, num_kv_blocks(cfg, spec, hardware_spec(cfg)))
 
 
-def simulation(cfg: DictConfig, make_executors: Callable[[list[Replica]], list[Executor]] | None = None,
-               replicas: list[Replica] | None = None) -> Simulation:
-    """The driver for ``cfg``: its replicas, router and workload, with executors from the backend (or from
+MakeExecutors = Callable[[list[Replica]], list[Executor]]
+
+
+def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
+               replicas: list[Replica] | None = None) -> ServingLoop:
+    """The serving loop for ``cfg``: its replicas, router and workload, with executors from the backend (or from
     ``make_executors(replicas)``, e.g. a replay of recorded step times)."""
     from core.workload import build_workload
 
-    spec = model_spec(cfg)
     if replicas is None:
         replicas = replicas_for(cfg)
-    executors = make_executors(replicas) if make_executors else build_executors(cfg, spec, replicas)
-    return Simulation(replicas, executors, _instantiate(cfg.router, "router"), build_workload(cfg.workload),
-                      progress=_progress(cfg.output.progress))
+    executors = make_executors(replicas) if make_executors else build_executors(cfg, model_spec(cfg), replicas)
+    return ServingLoop(replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload))
 
 
-def write_results(cfg: DictConfig, result: RunResult, out_dir: str | Path, backend: str | None = None,
-                  extra: dict[str, Any] | None = None) -> dict:
-    """Metrics and the DESIGN section 8 files (plus outputs.jsonl for the engine, plots if enabled)."""
-    from core.metrics import summarize
-    from core.output import write_run
-
-    spec = model_spec(cfg)
-    metrics = summarize(result.states, **metrics_options(cfg, spec))
-    metrics.update(backend=backend or cfg.backend.name, wall_s=result.wall_s, num_steps=len(result.steps),
-                   sim_s_per_wall_s=result.end_s / result.wall_s if result.wall_s > 0 else None, **(extra or {}))
-    out = Path(out_dir)
-    write_run(out, result.states, result.steps, metrics)
-    if cfg.backend.name == "engine":
-        from engine.outputs import write_outputs
-
-        write_outputs(out / "outputs.jsonl", result.states, spec, int(cfg.seed))
-    if cfg.output.plots:
-        from experiments import plots
-
-        plots.plot_run(out)
-    return metrics
-
-
-def run(cfg: DictConfig, out_dir: str | Path) -> dict:
-    """Run one experiment and write the DESIGN section 8 files into ``out_dir``; returns metrics."""
-    return write_results(cfg, simulation(cfg).run(), out_dir)
-
-
-def _progress(setting: Any) -> bool:
+def progress_bar(setting: Any) -> bool:
+    """``output.progress``: auto (when stderr is a terminal) | true | false."""
     if setting == "auto":
         import sys
 

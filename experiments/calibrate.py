@@ -1,6 +1,6 @@
 """`python -m experiments.calibrate`: time a grid of step shapes on a backend, fit the simulator's cost models.
 
-The profile builds batches directly against the replica's KVCacheManager (no workload, no scheduler): each shape
+The profile admits batches to the replica's KVCacheManager with core.shapes (no workload, no scheduler): each shape
 is a set of prefill chunks (a chunk of ``n`` tokens after ``c`` cached ones) and decodes (one token attending to a
 context), run ``warmup`` untimed then ``repeats`` timed times back to back (a run's consecutive steps are similar
 too, with warm caches); the median is the shape's duration. Engine steps are timed on the ``engine_clock``
@@ -31,11 +31,9 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.batch import Batch, Chunk, StepFeatures
-from core.kv_cache import KVCacheManager
-from core.request import Request, RequestState, Status
-from experiments.build import build_replicas, hardware_spec, model_spec
-from experiments.runs import engine_clock, executors_for
+from core.batch import StepFeatures
+from core.shapes import ShapedBatch, shape_blocks
+from experiments.build import build_executors, build_replicas, engine_clock, hardware_spec, model_spec
 from sim.calibration import (
     FitReport,
     cross_validate,
@@ -65,8 +63,7 @@ class Shape:
     decodes: tuple[int, ...] = ()
 
     def blocks(self, block_size: int) -> int:
-        lens = [c + n for c, n in self.prefills] + list(self.decodes)
-        return sum(-(-t // block_size) for t in lens)
+        return shape_blocks(self.prefills, self.decodes, block_size)
 
 
 @dataclass
@@ -117,42 +114,6 @@ def grid_shapes(grid: Mapping[str, Any], max_model_len: int) -> list[Shape]:
     return shapes
 
 
-class _ShapeStates:
-    """The request states of one shape, kept across rounds (so the engine materialises each prompt once, as in a
-    run) and re-admitted to the KV pool for every timed execution."""
-
-    def __init__(self, shape: Shape, key: int) -> None:
-        self.shape = shape
-        self.prefills = [RequestState(Request(f"profile{key}-p{i}", 0.0, c + n, 1)) for i, (c, n) in
-                         enumerate(shape.prefills)]
-        self.decodes = []
-        for i, t in enumerate(shape.decodes):
-            st = RequestState(Request(f"profile{key}-d{i}", 0.0, t - 1, 2))
-            st.output_token_ids.append(0)
-            self.decodes.append(st)
-
-    def batch(self, kv: KVCacheManager) -> Batch:
-        chunks = []
-        for st, (c, n) in zip(self.prefills, self.shape.prefills, strict=True):
-            self._admit(kv, st, c)
-            chunks.append(Chunk.next(st, n))
-        for st in self.decodes:
-            self._admit(kv, st, st.num_tokens - 1)
-            chunks.append(Chunk.next(st, 1))
-        return Batch(chunks)
-
-    @staticmethod
-    def _admit(kv: KVCacheManager, st: RequestState, computed: int) -> None:
-        if not kv.admit(st, st.num_tokens, 0.0):
-            raise RuntimeError(f"profile: KV pool too small for {st.id}")  # the pool is sized from the grid
-        st.num_computed_tokens = computed
-        st.status = Status.RUNNING
-
-    def free(self, kv: KVCacheManager) -> None:
-        for st in (*self.prefills, *self.decodes):
-            kv.free(st, 0.0)
-
-
 def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: int = 2, seed: int = 0,
             progress: bool = False) -> list[ProfileRow]:
     """Time every shape on the configured backend (one replica, a KV pool sized for the largest shape), shapes in
@@ -163,16 +124,18 @@ def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: 
     num_blocks = max(s.blocks(int(cfg.kv.block_size)) for s in shapes)
     one = OmegaConf.merge(cfg, {"replicas": 1, "kv": {"num_blocks": num_blocks}})
     replica = build_replicas(one, spec, num_blocks)[0]
-    executor = executors_for(one, spec, [replica])[0]
-    states = [_ShapeStates(s, i) for i, s in enumerate(shapes)]
+    executor = build_executors(one, spec, [replica])[0]
+    # one ShapedBatch per shape, kept across rounds (the engine materialises each prompt once, as in a run) and
+    # admitted to the replica's KV pool for every timed execution
+    states = [ShapedBatch(s.prefills, s.decodes, name=f"profile{i}") for i, s in enumerate(shapes)]
     samples: list[list[float]] = [[] for _ in shapes]
     features: list[StepFeatures | None] = [None] * len(shapes)
     for n, i in enumerate(np.random.default_rng(seed).permutation(len(shapes)).tolist()):
         for r in range(warmup + repeats):  # back to back, like the similar consecutive steps of a run
-            batch = states[i].batch(replica.kv)
+            batch = states[i].admit(replica.kv)
             features[i] = batch.features
             out = executor.execute(batch)
-            states[i].free(replica.kv)
+            states[i].release(replica.kv)
             if r >= warmup:
                 samples[i].append(float(out.duration_s))
         if progress and (n + 1) % 10 == 0:

@@ -23,7 +23,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.runs import apply_overrides, run
+from experiments.overrides import apply_overrides
+from experiments.runs import run
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ The root config is the *held-out* workload. Each comparison writes into its outp
    held-out run ends (``train/``).
 2. ``calibration/``: ``compare.calibration=<file>`` is used as given; otherwise ``experiments.calibrate`` fits the
    profile grid (measured once, reused by every rate point) plus the training steps measured alongside.
-3. ``replay/``: the simulator with the engine's measured durations (``sim.cost.replay``). Its requests.csv and
+3. ``replay/``: the simulator with the engine's measured durations (``sim.replay``). Its requests.csv and
    tokens.csv must equal the engine's byte for byte: the logic error is zero and every remaining difference
    below is the cost model's.
 4. ``sim/``: the simulator with the calibrated cost model (same config, seed and KV pool).
@@ -36,7 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 from core.output import read_metrics
 from experiments.build import hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
-from experiments.runs import apply_overrides, replay, run, run_interleaved, same_files, with_backend, with_calibration
+from experiments.interleave import run_interleaved
+from experiments.overrides import apply_overrides, with_backend, with_calibration
+from experiments.runs import replay, run, same_files
 from sim.calibration import FitReport, load_calibration, predict, report, steps_from_csv
 
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
@@ -45,7 +47,7 @@ PERCENTILES = (50, 90, 99)
 
 def logic_check(cfg: DictConfig, engine_dir: Path, out_dir: Path) -> dict[str, Any]:
     """Replay the engine run; zero logic error = identical requests.csv and tokens.csv."""
-    from sim.cost.replay import ReplayDivergence
+    from sim.replay import ReplayDivergence
 
     try:
         replay(cfg, engine_dir, out_dir)

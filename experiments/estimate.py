@@ -13,9 +13,9 @@ import hydra
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
+from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost import arithmetic as ar
 from sim.cost.base import as_hardware_spec, as_model_spec, check_keys, decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 
@@ -57,6 +57,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     """All numbers per device. Lower bounds use datasheet peaks; ``*_est`` use the given efficiencies + overhead.
 
     The quantised speed-up is the estimated 16-bit decode step time over the quantised one at the same batch.
+    Bytes count what the engine stores (``core.arithmetic``): a scale and a zero point per quantised weight group,
+    and int8 KV's float32 scales, so ``kv_capacity_gain`` of int8 KV is 2·Dh / (Dh + 4), not 2.
     """
     if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ValueError(f"estimate.batch_sizes={batch_sizes!r}; allowed: a non-empty list of integers >= 1")
@@ -78,9 +80,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     seqs = ar.max_concurrent_seqs(m, budget, context, kv_bits, tp)
     memory: dict[str, Any] = {"memory_fraction": memory_fraction, "context": context, "kv_budget_bytes": budget,
                               "weights_fit": budget > 0, "max_concurrent_seqs": seqs}
-    if kv_bits < 16:
-        seqs16 = ar.max_concurrent_seqs(m, budget, context, 16, tp)
-        memory |= {"max_concurrent_seqs_kv16": seqs16, "kv_capacity_gain": seqs / seqs16 if seqs16 else None}
+    if kv_bits < 16:  # the token capacity ratio (int8 scales included), not the ratio of rounded sequence counts
+        memory |= {"max_concurrent_seqs_kv16": ar.max_concurrent_seqs(m, budget, context, 16, tp),
+                   "kv_capacity_gain": ar.kv_capacity_gain(m, kv_bits)}
 
     decode = []
     for b in batch_sizes:
@@ -126,9 +128,8 @@ def format_table(r: dict[str, Any]) -> str:
         + ("" if mem["weights_fit"] else "  (WEIGHTS DO NOT FIT: raise tp or quantise)"),
     ]
     if "kv_capacity_gain" in mem:
-        gain = mem["kv_capacity_gain"]
-        lines.append(f"  vs 16-bit KV: {mem['max_concurrent_seqs_kv16']} sequences"
-                     + (f" ({gain:.2f}x with {r['kv_bits']}-bit KV)" if gain else ""))
+        lines.append(f"  vs 16-bit KV: {mem['max_concurrent_seqs_kv16']} sequences ({r['kv_bits']}-bit KV holds "
+                     f"{mem['kv_capacity_gain']:.3g}x the tokens, its scales included)")
     lines.append(f"prefill {p['tokens']} tokens: {_si(p['flops'], 'FLOP')}, {_si(p['bytes'], 'B')}, "
                  f"intensity {p['intensity']:.0f} FLOP/B, {p['bound']}-bound ({p['compute_share']:.0%} compute-"
                  f"limited), >= {p['time_lower_bound_s'] * 1e3:.3g}"

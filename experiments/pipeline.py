@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.compare import compare, errors_markdown
-from experiments.runs import apply_overrides
+from experiments.overrides import apply_overrides
 
 
 def _pct(v: float | None) -> str:

@@ -9,7 +9,7 @@ Settings: ``base`` (unquantised, the model dtype) and each of ``quant_settings``
 - ``quant_speedup.png``: base time / quantised time, measured vs predicted (CPU), and the GPU prediction;
 - ``quality.json``: the quality gate (engine.quality).
 
-Engine: decode batches built directly against a KVCacheManager (no scheduler), the (setting, shape) pairs timed
+Engine: decode batches admitted to a KVCacheManager with core.shapes (no scheduler), the (setting, shape) pairs timed
 in a fresh random order each round so a shared machine's drift spreads over all of them; median of ``repeats``
 after ``warmup`` rounds. The context's KV is zeros (decode cost does not depend on the values). Simulator: the
 roofline's step time for the same batches' features (what the sim backend's executor charges), once with the
@@ -30,18 +30,18 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.batch import Batch, Chunk, StepFeatures
+from core import arithmetic as ar
+from core.batch import StepFeatures
 from core.kv_cache import KVCacheManager
-from core.request import Request, RequestState, Status
+from core.shapes import ShapedBatch, shape_blocks
 from core.specs import HardwareSpec, ModelSpec
-from engine.attention import num_blocks_for_memory
+from engine.attention import allocate_kv_caches
 from engine.executor import EngineExecutor, build_engine_executors, resolve_kernels
 from engine.quality import QuantSetting
 from experiments.build import CONF_DIR, hardware_spec, model_spec, num_kv_blocks
 from experiments.quant_quality import effective, model_dtype, resolve_group_size, run_quality, settings
 from policies.eviction.lru import LRUEviction
 from sim.calibration import fit_roofline
-from sim.cost import arithmetic as ar
 from sim.cost.base import decode_features
 from sim.cost.roofline import RooflineCostModel
 
@@ -72,35 +72,11 @@ def sweeps(s: Mapping[str, Any]) -> dict[str, list[Shape]]:
 
 def quant_bits(q: QuantSetting) -> dict[str, int]:
     """The roofline's view of a setting."""
-    return {"weight_bits": 4 if q.quant == "w4a16" else 16, "kv_bits": 8 if q.kv_dtype == "int8" else 16,
+    return {"weight_bits": 4 if q.quant == "w4a16" else 16, "kv_bits": ar.kv_bits_of(q.kv_dtype),
             "group_size": q.group_size}
 
 
 # ---- engine measurement ---------------------------------------------------------------------------------------
-
-class _DecodeShape:
-    """``b`` decoding sequences at ``context`` tokens; re-admitted to the KV pool for every timed execution."""
-
-    def __init__(self, key: str, shape: Shape) -> None:
-        b, context = shape
-        self.states = []
-        for i in range(b):
-            st = RequestState(Request(f"{key}-{i}", 0.0, context - 1, 2))
-            st.output_token_ids.append(0)
-            self.states.append(st)
-
-    def batch(self, kv: KVCacheManager) -> Batch:
-        for st in self.states:
-            if not kv.admit(st, st.num_tokens, 0.0):
-                raise RuntimeError(f"quant study: KV pool too small for {st.id}")  # sized from the shapes
-            st.num_computed_tokens = st.num_tokens - 1
-            st.status = Status.RUNNING
-        return Batch([Chunk.next(st, 1) for st in self.states])
-
-    def free(self, kv: KVCacheManager) -> None:
-        for st in self.states:
-            kv.free(st, 0.0)
-
 
 def _executor(spec: ModelSpec, backend: Mapping[str, Any], q: QuantSetting, num_blocks: int, block_size: int,
               seed: int) -> EngineExecutor:
@@ -119,9 +95,11 @@ def measure_decode(spec: ModelSpec, backend: Mapping[str, Any], quants: Sequence
     """Seconds per decode step: {setting: [samples of each shape]}, and each shape's step features."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"study.repeats={repeats} must be >= 1 and study.warmup={warmup} >= 0")
-    num_blocks = max(b * -(-c // block_size) for b, c in shapes)
+    num_blocks = max(shape_blocks((), (c,) * b, block_size) for b, c in shapes)
     execs = {q.name: _executor(spec, backend, q, num_blocks, block_size, seed) for q in quants}
-    states = {(q.name, i): _DecodeShape(f"{q.name}-{i}", s) for q in quants for i, s in enumerate(shapes)}
+    # ``b`` decodes at ``context`` tokens per shape, admitted to the setting's KV pool for every timed execution
+    states = {(q.name, i): ShapedBatch(decodes=(c,) * b, name=f"{q.name}-{i}") for q in quants
+              for i, (b, c) in enumerate(shapes)}
     samples: dict[str, list[list[float]]] = {q.name: [[] for _ in shapes] for q in quants}
     features: list[StepFeatures] = [StepFeatures()] * len(shapes)
     pairs = list(states)
@@ -130,9 +108,9 @@ def measure_decode(spec: ModelSpec, backend: Mapping[str, Any], quants: Sequence
         for k in rng.permutation(len(pairs)).tolist():
             name, i = pairs[k]
             ex, st = execs[name], states[pairs[k]]
-            batch = st.batch(ex.kv_manager)
+            batch = st.admit(ex.kv_manager)
             out = ex.execute(batch)
-            st.free(ex.kv_manager)
+            st.release(ex.kv_manager)
             features[i] = batch.features
             if r >= warmup:
                 samples[name][i].append(float(out.duration_s))
@@ -189,8 +167,10 @@ def gpu_prediction(cfg: DictConfig, quants: Sequence[QuantSetting]) -> dict[str,
 
 def kv_capacity(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> dict[str, Any]:
     """Blocks in ``study.kv_memory_bytes`` with model-dtype vs int8 KV: as the framework sizes pools
-    (experiments.build.num_kv_blocks, K/V bytes only) and as the engine's tensors take memory (int8 + one float32
-    scale per token and head), and the sequences of each capacity context that fit."""
+    (experiments.build.num_kv_blocks, from core.arithmetic) and as the engine's tensors take memory (the bytes of
+    one block of ``allocate_kv_caches`` on the meta device: int8 + one float32 scale per token and head), and the
+    sequences of each capacity context that fit. ``token_gain`` is core.arithmetic's per-token ratio, which the block
+    ratios approach as the budget grows."""
     budget = float(cfg.study.kv_memory_bytes)
     bs = int(cfg.kv.block_size)
     dtype = model_dtype(cfg, spec)
@@ -199,11 +179,23 @@ def kv_capacity(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> dict[str,
         sized = OmegaConf.merge(cfg, {"backend": {"name": "engine", "kv_dtype": kv_dtype},
                                       "kv": {"num_blocks": None, "memory_bytes": budget}})
         blocks = {"num_kv_blocks": num_kv_blocks(sized, spec, hw),
-                  "engine_tensors": num_blocks_for_memory(spec, bs, budget, kv_dtype, dtype)}
+                  "engine_tensors": int(budget // _engine_block_bytes(spec, bs, dtype, kv_dtype))}
         out[kv_dtype] = {k: {"blocks": n, "max_seqs": [n // -(-c // bs) for c in out["contexts"]]}
                          for k, n in blocks.items()}
     out["gain"] = {k: out["int8"][k]["blocks"] / out["auto"][k]["blocks"] for k in ("num_kv_blocks", "engine_tensors")}
+    out["token_gain"] = ar.kv_capacity_gain(ModelSpec.from_mapping({**spec.to_dict(), "dtype": _dtype_name(dtype)}),
+                                            ar.kv_bits_of("int8"))
     return out
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _engine_block_bytes(spec: ModelSpec, block_size: int, dtype, kv_dtype: str) -> int:
+    """Bytes of one KV block as the engine allocates it (tensors on the meta device: no memory is touched)."""
+    caches = allocate_kv_caches(spec, 1, block_size, dtype, "meta", kv_dtype)
+    return sum(t.nbytes for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
 
 
 # ---- the study ---------------------------------------------------------------------------------------------------
@@ -392,10 +384,12 @@ def summary(r: Mapping[str, Any]) -> str:
                                                      strict=True)])
     lines += [_table(["sized by", f"blocks {r['dtype']}", "blocks int8", "gain"]
                      + [f"max seqs ctx {c}" for c in cap["contexts"]], rows), ""]
-    if cap["gain"]["num_kv_blocks"] > cap["gain"]["engine_tensors"]:
-        lines += ["`num_kv_blocks` counts 1 byte per int8 element; the engine's cache also stores one float32 scale "
-                  "per (token, head), so the same budget really holds fewer int8 blocks than the pool is sized for.",
-                  ""]
+    lines += [f"int8 KV stores one float32 scale per (token, KV head) for K and for V besides the int8 elements, so "
+              f"a budget holds {cap['token_gain']:.3g}x the tokens of {r['dtype']} KV, not the "
+              f"{ar.DTYPE_BYTES[r['dtype']]}x of the element widths alone.", ""]
+    if cap["gain"]["num_kv_blocks"] != cap["gain"]["engine_tensors"]:
+        lines += ["The pool sizing (`num_kv_blocks`) and the engine's tensors disagree on the bytes per block: "
+                  "the pool is sized for a different number of blocks than the memory really holds.", ""]
     lines += [f"## Quality gate ({qual['num_prompts']} prompts, {qual['prompt_tokens']} prompt tokens, "
               f"{qual['new_tokens']} new tokens each)", ""]
     rows = [[q["setting"], f"{q['max_abs_logit_err']:.3g}", f"{q['mean_abs_logit_err']:.3g}",

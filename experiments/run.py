@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.build import run
+from experiments.runs import run
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

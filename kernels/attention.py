@@ -86,6 +86,15 @@ class DecodeCache:
         self.capacity = 0
         self.run = 0  # steps appended since the last rebuild
         self.appends = self.rebuilds = 0  # totals, for tests and benchmarks
+        self.owners: tuple = ()  # who the copies belong to (the runner's request ids), see ``claim``
+
+    def claim(self, owners: tuple) -> None:
+        """Name the sequences this step decodes. Lengths and blocks alone cannot tell a new sequence from the
+        last step's one token longer (a new request can get a finished one's blocks back): other owners force a
+        rebuild."""
+        if owners != self.owners:
+            self.owners = owners
+            self.lens = self.tables = np.zeros((0, 0), dtype=np.int64)
 
     def advance(self, lens: np.ndarray, tables: np.ndarray, block_size: int) -> bool | None:
         """Record this step's decodes: int64 context lengths [Nd] and block-table rows [Nd, W]. True: append to

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from core.batch import Batch
-from core.interfaces import StepOutput
+from core.interfaces import BaseExecutor, StepOutput
 from sim.cost.base import CostModel
 
 
-class CostModelExecutor:
-    wall_clock = False
+class CostModelExecutor(BaseExecutor):
+    """Predicts each step's duration with a cost model; measures nothing."""
 
     def __init__(self, cost_model: CostModel, token_id: int = 0) -> None:
         self.cost_model = cost_model

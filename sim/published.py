@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
 from sim.calibration import (
@@ -44,7 +45,6 @@ from sim.calibration import (
     predict,
     report,
 )
-from sim.cost import arithmetic as ar
 from sim.cost.base import decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from core.batch import StepFeatures
-from core.interfaces import StepOutput
+from core.interfaces import BaseExecutor, StepOutput
 from core.kv_cache import KVCacheManager
+from core.loop import RunResult, ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, RequestState
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
-from sim.simulator import RunResult, Simulation
+from sim.clock import simulate as run_simulated
 
 
 class ListWorkload:
@@ -27,10 +28,8 @@ class ListWorkload:
         return None
 
 
-class FormulaExecutor:
+class FormulaExecutor(BaseExecutor):
     """Step time = f(features); samples token 1 (tests only)."""
-
-    wall_clock = False
 
     def __init__(self, f: Callable[[StepFeatures], float]) -> None:
         self.f = f
@@ -44,6 +43,6 @@ def simulate(requests: Sequence[Request], scheduler_factory, *, step_time=lambda
              keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
     reps = [Replica(i, scheduler_factory(), KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching),
                     SchedulerLimits(**limits)) for i in range(replicas)]
-    sim = Simulation(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
-                     ListWorkload(requests), keep_batches=keep_batches)
-    return sim.run(), reps
+    loop = ServingLoop(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
+                       ListWorkload(requests), keep_batches=keep_batches)
+    return run_simulated(loop), reps

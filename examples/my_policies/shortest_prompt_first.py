@@ -7,7 +7,7 @@ all a policy needs to run unchanged in the simulator and in the engine.
 from __future__ import annotations
 
 from core.batch import Batch, Chunk
-from core.replica import SchedulerView
+from core.interfaces import SchedulerView
 from core.request import RequestState
 from policies.schedulers.common import admit, schedule_running
 

@@ -19,24 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.output import read_metrics
 from experiments.build import CONF_DIR
-from experiments.runs import apply_overrides as _apply_overrides
+from experiments.overrides import apply_overrides
 from experiments.runs import run as run_config
 
 SCALES = ("full", "tiny")
-
-
-def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    """``experiments.runs.apply_overrides`` (``group=option``, ``a.b=value``), plus ``key=${other.key}``, which
-    points a key at another section of the config (``workload=${study.open}``: that section is the workload)."""
-    out = cfg
-    for item in overrides:
-        key, _, value = str(item).partition("=")
-        if value.startswith("${"):
-            out = OmegaConf.create(OmegaConf.to_container(out, resolve=False))
-            OmegaConf.update(out, key, value, merge=False, force_add=True)
-        else:
-            out = _apply_overrides(out, [item])
-    return out
 
 
 def with_section(cfg: DictConfig, section: Any) -> DictConfig:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from core import arithmetic
 from experiments import plots
-from experiments.build import CONF_DIR
+from experiments.build import CONF_DIR, model_spec
 from experiments.studies.capacity_under_slo import PANELS, capacity_report, describe_search
 from experiments.studies.common import Report, fmt, run_variants
 
@@ -55,9 +56,10 @@ def same_work_engine(rep: Report, overrides: Sequence[str], out: Path) -> None:
 
 def run(cfg: DictConfig, out: Path) -> Report:
     rep = Report("Quantisation gain: 16-bit vs W4A16 vs int8 KV")
+    gain = arithmetic.kv_capacity_gain(model_spec(cfg), 8)
     rep.text(f"Simulator: {cfg.model.name} on {cfg.hardware.name}, roofline with weight_bits / kv_bits per setting "
-             "(the KV pool is sized with the KV width, so int8 KV also holds twice the tokens). "
-             + describe_search(cfg))
+             f"(the KV pool is sized with the bytes per token, int8 KV's float32 scales included, so int8 KV holds "
+             f"{fmt(gain)}x the tokens of model-dtype KV). " + describe_search(cfg))
     if cfg.study.same_work:
         same_work_engine(rep, list(cfg.study.same_work_overrides), out)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from core.batch import Batch, Chunk
-from core.replica import SchedulerView
+from core.interfaces import SchedulerView
 from core.request import RequestState
 from policies.schedulers.common import schedule_running
 

@@ -4,7 +4,7 @@ idle and runs until every request in it has finished."""
 from __future__ import annotations
 
 from core.batch import Batch, Chunk
-from core.replica import SchedulerView
+from core.interfaces import SchedulerView
 from policies.schedulers.common import fcfs, lifetime_tokens, schedule_running
 
 

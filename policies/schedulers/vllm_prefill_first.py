@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.batch import Batch, Chunk
-from core.replica import SchedulerView
+from core.interfaces import SchedulerView
 from policies.schedulers.common import admit, fcfs, schedule_running
 
 

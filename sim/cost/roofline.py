@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost import arithmetic as ar
 from sim.cost.base import as_hardware_spec, as_model_spec
 
 LOGIT_BYTES = 4  # logits are written in float32
@@ -43,6 +43,12 @@ class RooflineCostModel:
     prefill chunk, as vLLM does before discarding a partial prefill's sample); the embedding lookup and
     all-reduce latency are ignored; quantised weights are dequantised to compute at 16-bit peak (weight-only
     quantisation saves bytes, not FLOPs). A step with no tokens costs ``overhead_s``.
+
+    Bytes are what the engine stores, from ``core.arithmetic``: with ``weight_bits`` 4 (the engine's W4A16) or 8
+    (a what-if format: the engine has no W8 path) each group of ``group_size`` linear weights carries a 16-bit
+    scale and a 16-bit zero point, counted the same way for both widths; ``kv_bits`` 8 (the engine's int8 KV) reads
+    one float32 scale per token and KV head for K and for V besides the int8 elements, so its KV reads are
+    (Dh + 4) / (2·Dh) of 16-bit KV's, not half.
     """
 
     def __init__(self, model: ModelSpec | Mapping[str, Any], hardware: HardwareSpec | Mapping[str, Any],
@@ -56,7 +62,7 @@ class RooflineCostModel:
         self.overhead_s = float(overhead_s)
         ar.check_quant(weight_bits, kv_bits, group_size)
         self.weight_bits, self.kv_bits, self.group_size = weight_bits, kv_bits, group_size
-        kv_heads = ar.kv_heads_per_device(m, tp)  # validates tp
+        ar.kv_heads_per_device(m, tp)  # validates tp
         if tp > 1 and hw.interconnect_bw <= 0:
             raise ValueError(f"cost_model.tp={tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
         self.tp = tp
@@ -69,7 +75,7 @@ class RooflineCostModel:
         self._head_bytes = ar.embedding_params(m) * ar.act_bytes(m) / tp
         self._logit_bytes = m.vocab_size * LOGIT_BYTES / tp
         self._pair_flops = ar.attention_flops_per_pair(m) / tp
-        self._kv_bytes = ar.kv_bytes_per_token(m, kv_bits) * kv_heads / m.num_kv_heads
+        self._kv_bytes = ar.kv_bytes_per_token_per_device(m, kv_bits, tp)
         self._elem_bytes = ar.elementwise_bytes_per_token(m, tp)
         self._act_bytes = ar.act_bytes(m)
         ring = 2 * (tp - 1) / tp  # bytes each device sends per byte reduced, ring all-reduce

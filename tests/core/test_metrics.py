@@ -99,7 +99,7 @@ def test_summary_counts_goodput_and_slo_attainment():
     assert (out["num_requests"], out["num_completed"], out["num_rejected"], out["num_timed_out"],
             out["num_warmup"]) == (6, 4, 1, 1, 1)
     assert out["counts_by_status"] == {"WAITING": 0, "RUNNING": 0, "PREEMPTED": 0, "FINISHED": 4, "REJECTED": 1,
-                                       "TIMED_OUT": 1}
+                                       "TIMED_OUT": 1, "CANCELLED": 0}
     assert out["duration_s"] == 6.0  # first arrival 0 -> timeout of f at 6
     assert out["num_slo_met"] == 2 and out["slo_attainment"] == pytest.approx(2 / 6)
     assert out["goodput_rps"] == pytest.approx(2 / 6) and out["throughput_rps"] == pytest.approx(4 / 6)
@@ -112,6 +112,20 @@ def test_summary_counts_goodput_and_slo_attainment():
     assert out["percentile_method"] == "nearest_rank"
     no_warmup = summarize(_run()[:-1], slo={"ttft_s": 1.0, "max_stall_s": 0.5})
     assert no_warmup == {**out, "num_warmup": 0}  # warmup changes nothing else
+
+
+def test_cancelled_requests_stay_in_every_denominator():
+    """A cancelled request (even one that streamed tokens) is counted, never completed, and dilutes every rate."""
+    run = [*_run()[:-1], mk("g", 6.0, 6.0, (6.1, 6.2), status=Status.CANCELLED, finish=7.0)]
+    out = summarize(run, slo={"ttft_s": 1.0, "max_stall_s": 0.5})
+    base = summarize(_run()[:-1], slo={"ttft_s": 1.0, "max_stall_s": 0.5})
+    assert out["num_requests"] == 7 and out["num_cancelled"] == 1 and base["num_cancelled"] == 0
+    assert out["counts_by_status"]["CANCELLED"] == 1 and sum(out["counts_by_status"].values()) == 7
+    assert out["num_completed"] == 4 and out["duration_s"] == 7.0  # first arrival 0 -> cancellation at 7
+    assert out["slo_attainment"] == pytest.approx(2 / 7) and out["goodput_rps"] == pytest.approx(2 / 7)
+    assert out["throughput_rps"] == pytest.approx(4 / 7) and out["ttft_s"] == base["ttft_s"]
+    assert out["request_hit_rate"] == pytest.approx(1 / 7)
+    assert request_metrics(run[-1]).e2e_s is None
 
 
 def test_per_request_deadline_and_tpot_slo():

@@ -80,6 +80,21 @@ def test_round_trip(tmp_path):
     assert m["num_requests"] == 2 and m["num_warmup"] == 1 and m["tpot_s"]["count"] == 1
 
 
+def test_cancelled_request_row(tmp_path):
+    """A request cancelled after two tokens: its status and reason, its TTFT and tokens, but no E2E / TPOT."""
+    c = RequestState(Request("c", 0.0, 8, 10), status=Status.CANCELLED, replica=0, output_token_ids=[4, 5],
+                     first_scheduled_s=0.1, first_token_s=0.3, finish_s=0.6, token_times=[0.3, 0.4],
+                     reason="client disconnected")
+    paths = write_run(tmp_path / "run", [c], [], summarize([c]))
+    r = read_requests_csv(paths["requests.csv"])
+    assert list(r["status"]) == ["CANCELLED"] and list(r["reason"]) == ["client disconnected"]
+    assert list(r["output_tokens"]) == [2] and r["ttft_s"][0] == pytest.approx(0.3)
+    assert np.isnan(r["e2e_s"][0]) and np.isnan(r["tpot_s"][0])
+    assert read_tokens_csv(paths["tokens.csv"])["index"].tolist() == [0, 1]
+    m = read_metrics(paths["metrics.json"])
+    assert m["num_cancelled"] == 1 and m["num_completed"] == 0 and m["slo_attainment"] == 0.0
+
+
 def test_equal_runs_are_byte_identical(tmp_path):
     a = _write(tmp_path, "a")
     b = _write(tmp_path, "b", list(reversed(_states())))  # arrival order decides the row order

@@ -61,3 +61,23 @@ def prefill_logits(model, token_ids: torch.Tensor, kernels: str = "torch", block
 def hf_logits(hf, token_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return hf(token_ids[None]).logits[0].float()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def save_word_tokenizer(directory, vocab_size: int = TINY["vocab_size"], chat_template: bool = True):
+    """A word-level tokenizer over ``vocab_size`` words (w0, w1, ... and a few chat words, some multi-byte), saved
+    next to a tiny checkpoint so it serves text; returns the loaded ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "user", "assistant", "system", "héllo", "日本"]
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return fast

@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from core import arithmetic as ar
 from core.specs import ModelSpec
-from engine.attention import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_memory
+from engine.attention import allocate_kv_caches
 from engine.loader import load_model
 from kernels.w4a16 import dequantize_w4
 from tests.engine.checkpoints import LAYOUTS, TINY, hf_logits, prefill_logits, tiny_checkpoint
@@ -84,17 +85,21 @@ def test_w4a16_group_size_must_divide(tmp_path):
 def test_kv_memory_sizing(tmp_path):
     _, path = tiny_checkpoint(tmp_path)
     spec = ModelSpec.from_pretrained(path)
-    # 2 layers x (K, V) x 16 slots x 2 kv heads x 16 dims x 4 bytes
-    assert kv_bytes_per_block(spec, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
-    assert kv_bytes_per_block(spec, 16, torch.float32, "int8") == 2 * 2 * 16 * 2 * (16 + 4)
-    budget = 10 * kv_bytes_per_block(spec, 16, torch.bfloat16) + 1
-    assert num_blocks_for_memory(spec, 16, budget, dtype=torch.bfloat16) == 10
+    # the engine's sizing is core.arithmetic's: 2 layers x (K, V) x 16 slots x 2 kv heads x 16 dims x 4 bytes
+    assert spec.dtype == "float32"
+    assert ar.kv_bytes_per_block(spec, 16) == 2 * 2 * 16 * 2 * 16 * 4
+    assert ar.kv_bytes_per_block(spec, 16, 8) == 2 * 2 * 16 * 2 * (16 + 4)  # int8 + a float32 scale per slot/head
+    bf16 = replace(spec, dtype="bfloat16")
+    budget = 10 * ar.kv_bytes_per_block(bf16, 16) + 1
+    assert ar.num_blocks_for_memory(bf16, 16, budget) == 10
     caches = allocate_kv_caches(spec, 10, 16, torch.bfloat16, "cpu")
     assert sum(c.k.nbytes + c.v.nbytes for c in caches) == budget - 1
+    int8 = allocate_kv_caches(spec, 10, 16, torch.float32, "cpu", kv_dtype="int8")
+    assert sum(c.k.nbytes + c.v.nbytes + c.k_scale.nbytes + c.v_scale.nbytes for c in int8) \
+        == 10 * ar.kv_bytes_per_block(spec, 16, 8)
     with pytest.raises(ValueError, match="kv_dtype"):
         allocate_kv_caches(spec, 10, 16, torch.bfloat16, "cpu", kv_dtype="fp8")
-    with pytest.raises(ValueError, match="holds no block"):
-        num_blocks_for_memory(spec, 16, 100)
+    assert ar.num_blocks_for_memory(spec, 16, 100) == 0
 
 
 @pytest.mark.interpreter

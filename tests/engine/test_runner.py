@@ -12,7 +12,7 @@ import torch
 from core.batch import Batch, Chunk
 from core.interfaces import Executor
 from core.prompt import materialize
-from core.request import Request, RequestState, Status
+from core.request import Request, RequestState, SamplingParams, Status
 from engine.attention import allocate_kv_caches
 from engine.executor import EngineExecutor, build_engine_executor
 from engine.loader import load_model
@@ -146,6 +146,32 @@ def test_recompute_after_preemption(tiny):
     s.request = Request("p", 0.0, len(p), NEW_TOKENS, prompt_token_ids=tuple(p))
     run_to_completion(runner, blocks, [s], 5)  # chunk 5 straddles the prompt / output boundary at 9..12
     assert s.output_token_ids == hf_greedy(hf, p)
+
+
+def test_per_request_sampling_in_mixed_batches(tiny, mixed):
+    """Greedy requests batched with random ones still match transformers; a seeded request generates the same
+    tokens alone and batched with others (in other chunks); its generator is dropped on release."""
+    ps, refs = mixed
+    _, model = tiny["llama"]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+
+    def make(rid, prompt, sampling=None):
+        return RequestState(Request(rid, 0.0, len(prompt), NEW_TOKENS, prompt_token_ids=tuple(prompt),
+                                    sampling=sampling))
+
+    alone = make("s", ps[2], seeded)
+    run_to_completion(make_runner(model), Blocks(), [alone], None)
+    greedy = [make(f"g{i}", p) for i, p in enumerate(ps)]
+    batched = make("s", ps[2], seeded)
+    others = [make("hot", ps[0], SamplingParams(temperature=1.5)), make("s2", ps[1], SamplingParams(1.0, seed=12))]
+    runner = make_runner(model)
+    run_to_completion(runner, Blocks(), [*greedy, batched, *others], 7)
+    assert [g.output_token_ids for g in greedy] == refs["llama"]
+    assert batched.output_token_ids == alone.output_token_ids
+    assert alone.output_token_ids != hf_greedy(tiny["llama"][0], ps[2])  # it did sample
+    assert set(runner.sampler._seeded) == {"s", "s2"}
+    runner.release("s")
+    assert set(runner.sampler._seeded) == {"s2"}
 
 
 def test_materialised_prompts(tiny):
@@ -292,3 +318,28 @@ def test_decode_cache_in_use_and_rebuilt_after_a_failed_step(tiny, mixed):
     finally:
         del attn.attend
     assert [s.output_token_ids for s in states] == refs["llama"]
+
+
+def test_warmup_leaves_no_stale_decode_copies(tiny):
+    """A request that decodes alone, with the warm-up's context length plus one on the warm-up's blocks, must not
+    reuse the warm-up's K/V copies (the decode cache names its owners)."""
+    from core.kv_cache import KVCacheManager
+    from core.loop import ServingLoop
+    from core.replica import Replica, SchedulerLimits
+    from policies.eviction.lru import LRUEviction
+    from policies.routers.round_robin import RoundRobinRouter
+    from policies.schedulers.sarathi import SarathiScheduler
+    from sim.clock import simulate
+    from tests.helpers import ListWorkload
+
+    model = tiny["llama"][1]
+    outputs = []
+    for warm in (0, 2):
+        kv = KVCacheManager(32, 16, LRUEviction())
+        ex = build_engine_executor(model.spec, kv_manager=kv, model=model)
+        ex.warmup(steps=warm, prompt_len=32)
+        req = Request("r", 0.0, 33, 6, prompt_token_ids=tuple(range(100, 133)))
+        loop = ServingLoop([Replica(0, SarathiScheduler(), kv, SchedulerLimits(64, 4, model.spec.max_model_len))],
+                           [ex], RoundRobinRouter(), ListWorkload([req]))
+        outputs.append(simulate(loop).states[0].output_token_ids)
+    assert outputs[0] == outputs[1]

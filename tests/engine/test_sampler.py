@@ -1,10 +1,12 @@
-"""Sampler: greedy, top-k, top-p support, temperature distribution, seeded reproducibility."""
+"""Sampler: greedy, top-k, top-p support, temperature distribution, seeded reproducibility, per-request
+params (greedy rows batched, seeded requests independent of their batch)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from core.request import Request, RequestState
 from engine.sampler import Sampler, SamplingParams
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
@@ -59,3 +61,77 @@ def test_frequencies_follow_tempered_softmax(temperature):
 def test_bad_params(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+# ---- per-request params ---------------------------------------------------------------------------------------
+def _states(*samplings: SamplingParams | None, prefix: str = "r") -> list[RequestState]:
+    return [RequestState(Request(f"{prefix}{i}", 0.0, 4, 8, sampling=s)) for i, s in enumerate(samplings)]
+
+
+def test_default_rows_take_the_batched_path_unchanged():
+    """Rows without their own params: the same draws as a call without states (one generator stream)."""
+    logits = torch.randn(12, 50, generator=torch.Generator().manual_seed(7))
+    params = SamplingParams(temperature=0.8, top_k=10)
+    a, b = Sampler(params, seed=2), Sampler(params, seed=2)
+    states = _states(*[None] * 12)
+    for _ in range(3):
+        assert torch.equal(a(logits), b(logits, states))
+
+
+def test_greedy_rows_unchanged_by_random_rows():
+    logits = torch.randn(9, 50, generator=torch.Generator().manual_seed(8))
+    hot = SamplingParams(temperature=2.0)
+    mix = [None, hot, None, SamplingParams(temperature=1.0, seed=4), SamplingParams(), hot,
+           SamplingParams(temperature=0.0, seed=9), SamplingParams(temperature=1.0, top_p=0.5), None]
+    out = Sampler(seed=1)(logits, _states(*mix))
+    greedy = [i for i, p in enumerate(mix) if p is None or p.greedy]
+    assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
+    assert out.dtype == torch.int64 and out.shape == (9,)
+    # a random default with greedy requests: the greedy rows are argmax too
+    out = Sampler(SamplingParams(temperature=1.0), seed=1)(logits, _states(*[SamplingParams()] * 4, *[None] * 5))
+    assert torch.equal(out[:4], logits[:4].argmax(-1))
+
+
+def test_seeded_request_draws_the_same_alone_and_batched():
+    """A request with a seed gets the same tokens step after step whatever shares its steps (other seeded
+    requests, unseeded random rows, greedy rows, a different engine seed)."""
+    gen = torch.Generator().manual_seed(9)
+    steps = [torch.randn(6, 50, generator=gen) for _ in range(5)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=30, seed=1234)
+    alone_sampler, alone = Sampler(seed=0), _states(seeded, prefix="a")[0]
+    solo = [alone_sampler(step[2:3], [alone]).item() for step in steps]
+    batched_sampler = Sampler(SamplingParams(temperature=1.0), seed=5)
+    batch = _states(None, SamplingParams(temperature=1.0, seed=99), seeded, SamplingParams(temperature=0.5),
+                    SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, top_k=30, seed=77), prefix="b")
+    mixed = [batched_sampler(step, batch)[2].item() for step in steps]
+    assert mixed == solo
+    # sanity: the draws are random (another seed differs), not the argmax
+    other = _states(SamplingParams(temperature=1.0, top_p=0.9, top_k=30, seed=4321), prefix="c")[0]
+    sampler = Sampler()
+    assert [sampler(step[2:3], [other]).item() for step in steps] != solo
+    assert solo != [step[2].argmax().item() for step in steps]
+
+
+def test_seeded_generators_are_per_request_and_released():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(10))
+    params = SamplingParams(temperature=1.0, seed=3)
+    sampler = Sampler()
+    (s,) = _states(params)
+    first = [sampler(logits, [s]).item() for _ in range(6)]
+    (again,) = _states(params)  # a new request under the same id starts its stream afresh
+    assert [sampler(logits, [again]).item() for _ in range(6)] == first
+    sampler.release(again.id)
+    assert "r0" not in sampler._seeded
+    with pytest.raises(ValueError, match="rows"):
+        sampler(torch.randn(2, 50), [s])
+    with pytest.raises(ValueError, match="seed"):
+        Sampler(SamplingParams(temperature=1.0, seed=1))
+
+
+def test_per_request_top_k_in_a_batch():
+    """Unseeded rows with their own params draw from the engine's generator with those params."""
+    states = _states(SamplingParams(temperature=1.0, top_k=2), None, SamplingParams(temperature=1.0, top_p=0.5))
+    logits = torch.cat([_logits(1)] * 3)
+    sampler = Sampler(seed=0)
+    rows = torch.stack([sampler(logits, states) for _ in range(400)])
+    assert set(rows[:, 0].tolist()) == {1, 3} and set(rows[:, 1].tolist()) == {1} and set(rows[:, 2].tolist()) == {1}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.kv_cache import KVCacheManager
+from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, Status
 from core.specs import ModelSpec
@@ -21,7 +22,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
-from sim.simulator import Simulation
+from sim.clock import simulate
 from tests.engine.checkpoints import TINY, tiny_checkpoint
 from tests.helpers import ListWorkload
 
@@ -55,7 +56,7 @@ def serve(setup, scheduler, budget, num_blocks=64, prefix_caching=True, requests
     kv = KVCacheManager(num_blocks, BLOCK, LRUEviction(), prefix_caching)
     replica = Replica(0, scheduler, kv, SchedulerLimits(budget, 8, spec.max_model_len))
     executor = build_engine_executor(spec, kv_manager=kv, model=model)
-    result = Simulation([replica], [executor], RoundRobinRouter(), ListWorkload(requests or reqs)).run()
+    result = simulate(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(requests or reqs)))
     kv.check_invariants()
     assert kv.num_used_blocks == 0
     return {s.id: s for s in result.states}, result

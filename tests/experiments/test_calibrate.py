@@ -3,6 +3,7 @@ own (synthetic) timings and from a run's steps.csv, the written file composes as
 engine profile runs on the real tiny model."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -12,9 +13,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from core.batch import StepFeatures
-from experiments.build import CONF_DIR, build_replicas, model_spec
+from experiments.build import CONF_DIR, build_executors, build_replicas, engine_clock, model_spec
 from experiments.calibrate import Shape, calibrate, grid_shapes, profile, read_profile
-from experiments.runs import ThreadClockExecutor, engine_clock, executors_for, run
+from experiments.runs import run
 from sim.cost.linear import LinearCostModel
 
 TRUE = {"c0_s": 2e-3, "per_prefill_token_s": 5e-5, "per_decode_seq_s": 3e-4, "per_attention_pair_s": 2e-8,
@@ -158,4 +159,4 @@ def test_engine_profile_on_the_tiny_model(tmp_path):
     assert report["engine_clock"] == "thread" and report["backend"] == "engine"
     small = OmegaConf.merge(cfg, {"kv": {"num_blocks": 8}})
     spec = model_spec(small)
-    assert isinstance(executors_for(small, spec, build_replicas(small, spec, 8))[0], ThreadClockExecutor)
+    assert build_executors(small, spec, build_replicas(small, spec, 8))[0].stopwatch is time.thread_time

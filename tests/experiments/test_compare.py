@@ -10,7 +10,9 @@ from omegaconf import OmegaConf
 from experiments import plots
 from experiments.build import CONF_DIR
 from experiments.compare import compare, errors_markdown, percentile_errors
-from experiments.runs import apply_overrides, run, run_interleaved, same_files
+from experiments.interleave import run_interleaved
+from experiments.overrides import apply_overrides
+from experiments.runs import run, same_files
 
 FILES = ("requests.csv", "tokens.csv", "steps.csv")
 TOLERANCE = 0.15

@@ -7,7 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.build import CONF_DIR, run
+from experiments.build import CONF_DIR
+from experiments.runs import run
 
 GROUPS = ("scheduler", "eviction", "router", "workload", "slo", "model", "hardware", "cost_model", "backend")
 

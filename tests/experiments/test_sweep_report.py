@@ -5,7 +5,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from core.output import read_metrics
-from experiments.build import CONF_DIR, run
+from experiments.build import CONF_DIR
+from experiments.runs import run
 from experiments.sweep_report import report
 
 

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from core.kv_cache import KVCacheManager
+from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, Status
 from policies.eviction.cost_aware import CostAwareEviction
@@ -18,7 +19,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
-from sim.simulator import Simulation
+from sim.clock import simulate
 from tests.helpers import FormulaExecutor, ListWorkload
 
 # name -> (factory, chunked): a non-chunking scheduler needs a prompt (or a recompute) whole in one step
@@ -65,8 +66,8 @@ def test_invariants_on_random_workloads(scheduler, eviction, spec, num_blocks, b
     limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=4096)
     rep = Replica(0, factory(), KVCacheManager(num_blocks, BLOCK, EVICTIONS[eviction]()), limits)
     workload = CountingWorkload(reqs)
-    res = Simulation([rep], [FormulaExecutor(lambda f: 0.002 + 1e-5 * f.num_batched_tokens)], None,
-                     workload).run()  # one replica: the router is never asked
+    res = simulate(ServingLoop([rep], [FormulaExecutor(lambda f: 0.002 + 1e-5 * f.num_batched_tokens)], None,
+                               workload))  # one replica: the router is never asked
 
     # budgets held in every step (the replica also raises on a violation)
     assert all(s.features.num_batched_tokens <= budget and s.features.num_seqs <= max_seqs for s in res.steps)

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from core import arithmetic as ar
 from core.batch import StepFeatures
 from sim.calibration import fit_roofline, predict, steps_of
-from sim.cost import arithmetic as ar
 from sim.cost.roofline import RooflineCostModel
 from sim.published import OPT_TWINS, READERS, YI_34B_200K, check_dataset, default_data_dir, load
 

@@ -8,11 +8,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from core.batch import StepFeatures
-from core.interfaces import StepOutput
+from core.interfaces import BaseExecutor, StepOutput
 from experiments.build import CONF_DIR
-from experiments.runs import replay, run_with_executors
+from experiments.runs import replay, run
 from sim.calibration import steps_from_csv
-from sim.cost.replay import RecordedStep, ReplayDivergence, ReplayExecutor, load_recording, replay_executors
+from sim.replay import RecordedStep, ReplayDivergence, ReplayExecutor, load_recording, replay_executors
 
 FILES = ("requests.csv", "tokens.csv", "steps.csv")
 
@@ -22,10 +22,8 @@ def cfg_with(*overrides, name="config"):
         return compose(name, overrides=["output.plots=false", *overrides])
 
 
-class JitteryExecutor:
+class JitteryExecutor(BaseExecutor):
     """Cost model A: a linear step time times lognormal noise from a seeded stream (no two steps alike)."""
-
-    wall_clock = False
 
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
@@ -37,7 +35,7 @@ class JitteryExecutor:
 
 
 def record(cfg, out: Path):
-    return run_with_executors(cfg, out, lambda reps: [JitteryExecutor(i) for i in range(len(reps))], "sim")
+    return run(cfg, out, lambda reps: [JitteryExecutor(i) for i in range(len(reps))], "sim")
 
 
 CASES = {
@@ -96,7 +94,7 @@ def test_executor_checks_features_and_length():
     left = ReplayExecutor([RecordedStep(f1, 0.25)] * 2, replica=1)
     left.execute(B())
     with pytest.raises(ReplayDivergence, match="replica 1: replay ended after 1 steps, the recording has 2"):
-        left.check_done()
+        left.finish()
 
 
 def test_recording_is_read_per_replica_in_order(tmp_path):

@@ -15,7 +15,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from core.batch import Batch, StepFeatures
-from core.interfaces import StepOutput
+from core.interfaces import BaseExecutor, StepOutput
 from sim.calibration import steps_from_csv
 
 
@@ -34,15 +34,13 @@ def feature_diff(expected: StepFeatures, got: StepFeatures) -> dict[str, tuple[i
     return {k: (a, b) for k, a, b in zip(StepFeatures.names(), astuple(expected), astuple(got), strict=True) if a != b}
 
 
-class ReplayExecutor:
+class ReplayExecutor(BaseExecutor):
     """One replica's executor: step i takes the i-th recorded duration after checking the batch's features.
 
-    ``wall_clock`` is False: a recorded duration already includes whatever the recording run added (e.g. the
-    engine's measured scheduling time). Tokens are placeholders (``token_id``), so replay reproduces runs whose
-    requests generate a fixed number of tokens (``ignore_eos``, the sim-vs-engine setting).
+    It measures nothing (no ``stopwatch``): a recorded duration already includes whatever the recording run
+    added (e.g. the engine's measured scheduling time). Tokens are placeholders (``token_id``), so replay
+    reproduces runs whose requests generate a fixed number of tokens (``ignore_eos``, the sim-vs-engine setting).
     """
-
-    wall_clock = False
 
     def __init__(self, steps: Sequence[RecordedStep], replica: int = 0, token_id: int = 0) -> None:
         self.steps = list(steps)
@@ -69,7 +67,7 @@ class ReplayExecutor:
     def remaining(self) -> int:
         return len(self.steps) - self.position
 
-    def check_done(self) -> None:
+    def finish(self) -> None:
         """Raise if recorded steps were never replayed (the replay finished its work earlier than the recording)."""
         if self.remaining:
             raise ReplayDivergence(f"replica {self.replica}: replay ended after {self.position} steps, the recording "

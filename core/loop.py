@@ -1,0 +1,190 @@
+"""The serving loop every backend drives: arrivals -> router -> replicas, each running
+
+    batch = replica.schedule(now)
+    out = executor.execute(batch)
+    replica.apply(batch, out.tokens, now + out.duration_s)
+
+It is written once, as generator *processes* that yield what they wait for (``Until`` a time, ``Sleep`` for a
+step's duration, ``Idle`` until a request arrives). A ``Clock`` runs the processes and is the one thing that
+varies between backends:
+
+- ``sim.clock.SimPyClock``: simulated time (a cost model's step times, or measured ones replayed or taken from
+  the engine: time jumps by each step's duration, idle gaps are skipped);
+- ``core.realtime.RealTimeClock``: the wall clock (the server); requests also come in from other threads.
+
+The loop depends on core only. It never looks executor attributes up by name: ``core.interfaces.Executor``
+declares all it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from core.batch import Batch
+from core.interfaces import Executor, Router, Workload
+from core.records import StepRecord
+from core.replica import Replica
+from core.request import Request, RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class Until:
+    """Wait until the clock reads ``time_s`` (a request's arrival)."""
+
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """A step started at ``since`` and lasts ``seconds``. Simulated clocks advance by it; the wall clock has
+    already spent it when the step was measured, and only waits for what is left (a cost-model step)."""
+
+    seconds: float
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Wait until a request is dispatched to replica ``replica`` (``Clock.wake``)."""
+
+    replica: int
+
+
+Wait = Until | Sleep | Idle
+Process = Generator[Wait, None, None]
+
+
+class Clock(Protocol):
+    """Runs the loop's processes on some notion of time."""
+
+    @property
+    def now(self) -> float: ...
+
+    def start(self, process: Process) -> None:
+        """Run ``process`` from now on (arrivals, a closed-loop client's delayed next request)."""
+
+    def wake(self, replica: int) -> None:
+        """A request was dispatched to ``replica``: resume its process if it is ``Idle``."""
+
+
+@dataclass
+class RunResult:
+    states: list[RequestState]
+    steps: list[StepRecord]
+    end_s: float  # clock time of the last event
+    wall_s: float  # wall-clock seconds the run took
+    batches: list[Batch] = field(default_factory=list)  # filled only with keep_batches=True
+
+
+StepListener = Callable[[int, Batch, StepRecord], None]
+TerminalListener = Callable[[RequestState, float], None]
+
+
+class ServingLoop:
+    """Replicas, their executors, a router and a workload, as processes for a ``Clock``.
+
+    Listeners (the server's token streams, a progress bar) are told about every step and every request that
+    reaches a terminal status; they run on the loop's thread and must not block.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], executors: Sequence[Executor], router: Router,
+                 workload: Workload, keep_batches: bool = False) -> None:
+        if len(replicas) != len(executors) or not replicas:
+            raise ValueError(f"need one executor per replica, got {len(replicas)} replicas, {len(executors)} executors")
+        self.replicas = list(replicas)
+        self.executors = list(executors)
+        self.router = router
+        self.workload = workload
+        self.keep_batches = keep_batches
+        self.states: list[RequestState] = []
+        self.steps: list[StepRecord] = []
+        self.batches: list[Batch] = []
+        self.on_step: list[StepListener] = []
+        self.on_terminal: list[TerminalListener] = []
+        self.clock: Clock | None = None
+        self._ids: set[str] = set()
+        for r in self.replicas:
+            r.on_terminal = self._terminal
+
+    def processes(self, clock: Clock) -> list[Process]:
+        """The processes to run on ``clock``: the workload's arrivals and one per replica."""
+        self.clock = clock
+        return [self._arrivals(), *(self._replica(i) for i in range(len(self.replicas)))]
+
+    def unfinished(self) -> list[str]:
+        return [s.id for r in self.replicas for s in (*r.waiting, *r.running)]
+
+    def finish(self) -> None:
+        """After the run: every request must have ended; executors get their end-of-run check."""
+        stuck = self.unfinished()
+        if stuck:  # only a scheduler that refuses work on a busy replica can cause this
+            raise RuntimeError(f"run ended with {len(stuck)} unfinished requests, e.g. {stuck[:5]}")
+        for ex in self.executors:
+            ex.finish()
+
+    def result(self, wall_s: float) -> RunResult:
+        return RunResult(self.states, self.steps, self.clock.now if self.clock else 0.0, wall_s, self.batches)
+
+    # ---- requests in -----------------------------------------------------------------------------------------
+    def dispatch(self, req: Request) -> RequestState:
+        """Route a request to a replica now and queue it there (or reject it there, with a reason)."""
+        if req.id in self._ids:
+            raise ValueError(f"request id {req.id!r} was submitted twice; request ids must be unique")
+        self._ids.add(req.id)
+        idx = self.router.route(req, [r.view() for r in self.replicas]) if len(self.replicas) > 1 else 0
+        if not 0 <= idx < len(self.replicas):
+            raise RuntimeError(f"router {type(self.router).__name__} returned replica {idx} of {len(self.replicas)}")
+        state = self.replicas[idx].add(req, self.clock.now)
+        self.states.append(state)
+        self.clock.wake(idx)
+        return state
+
+    def _arrivals(self) -> Process:
+        clock = self.clock
+        for req in self.workload.initial():
+            if req.arrival_s > clock.now:
+                yield Until(req.arrival_s)
+            self.dispatch(req)
+
+    def _delayed(self, req: Request) -> Process:
+        yield Until(req.arrival_s)
+        self.dispatch(req)
+
+    # ---- one replica -----------------------------------------------------------------------------------------
+    def _replica(self, i: int) -> Process:
+        replica, executor, clock = self.replicas[i], self.executors[i], self.clock
+        stopwatch = executor.stopwatch
+        while True:
+            # A measuring executor's step runs from one schedule() to the next: scheduling is part of its time.
+            t0 = stopwatch() if stopwatch else 0.0
+            start = clock.now
+            batch = replica.schedule(start)
+            if batch.empty:
+                if replica.running:
+                    raise RuntimeError(f"scheduler {type(replica.scheduler).__name__} returned an empty batch "
+                                       f"with {len(replica.running)} running requests on replica {i}")
+                if replica.waiting:
+                    continue  # the replica rejected an unschedulable head request; try the next one
+                yield Idle(i)
+                continue
+            sched_s = stopwatch() - t0 if stopwatch else 0.0
+            out = executor.execute(batch)
+            duration = out.duration_s + sched_s
+            yield Sleep(duration, start)
+            replica.apply(batch, out.tokens, clock.now)
+            record = StepRecord(i, start, duration, batch.features, replica.kv.num_used_blocks, len(batch.preempted))
+            self.steps.append(record)
+            if self.keep_batches:
+                self.batches.append(batch)
+            for listener in self.on_step:
+                listener(i, batch, record)
+
+    def _terminal(self, state: RequestState, now: float) -> None:
+        self.executors[state.replica].release(state.id)
+        for listener in self.on_terminal:
+            listener(state, now)
+        nxt = self.workload.on_finish(state, now)
+        if nxt is not None:
+            self.clock.start(self._delayed(nxt))

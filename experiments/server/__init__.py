@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: HTTP app, the bridge to the serving loop, Prometheus metrics."""

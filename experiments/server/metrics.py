@@ -1,0 +1,85 @@
+"""Prometheus metrics of the server (``GET /metrics``), named after vLLM's with a ``twinserve:`` prefix.
+
+One registry per server (no process-global state). Counters and histograms are updated on the loop thread once
+per step and once per finished request; gauges are read from the loop's snapshot when scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from core.batch import Batch
+from core.records import StepRecord
+from core.request import RequestState
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], object]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            g = Gauge(f"twinserve:{name}", doc, list(labels), registry=r).labels(**labels)
+            g.set_function(read)
+
+        gauge("num_requests_running", "Requests in the running set of a replica.", lambda: snapshot().num_running)
+        gauge("num_requests_waiting", "Requests waiting for admission.", lambda: snapshot().num_waiting)
+        gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+              lambda: snapshot().kv_used_blocks / max(snapshot().kv_total_blocks, 1))
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"twinserve:{name}", doc, [*labels, *extra], registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prefix_queries, self.prefix_hits = (c.labels(**labels) for c in (self.prefix_queries, self.prefix_hits))
+        self.preemptions = counter("num_preemptions", "Preemptions (recompute).").labels(**labels)
+        self._requests = counter("request_success", "Requests ended, by status.", ("status",))
+        self._labels = labels
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"twinserve:{name}", doc, list(labels), buckets=LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish of finished requests.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+
+    def on_step(self, batch: Batch, record: StepRecord) -> None:
+        n = 0
+        for ch in batch.chunks:
+            if not ch.samples:
+                continue
+            n += 1
+            times = ch.state.token_times
+            if len(times) == 1:
+                self.ttft.observe(times[0] - ch.state.request.arrival_s)
+            else:
+                self.itl.observe(times[-1] - times[-2])
+        if n:
+            self.generation_tokens.inc(n)
+        if record.num_preempted:
+            self.preemptions.inc(record.num_preempted)
+
+    def on_terminal(self, state: RequestState) -> None:
+        self._requests.labels(**self._labels, status=state.status.value.lower()).inc()
+        if state.first_scheduled_s is not None:
+            self.prompt_tokens.inc(state.request.prompt_len)
+            self.prefix_queries.inc(state.request.prompt_len)
+            self.prefix_hits.inc(state.num_cached_tokens)
+            self.queue.observe(state.first_scheduled_s - state.request.arrival_s)
+        if state.finish_s is not None and state.first_token_s is not None:
+            self.e2e.observe(state.finish_s - state.request.arrival_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
