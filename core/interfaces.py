@@ -102,7 +102,8 @@ class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None  # set while the block holds a registered (full, computed) prefix block
-    depth: int = 0  # position in its prefix chain: covers tokens [depth*block_size, (depth+1)*block_size)
+    depth: int = 0  # position in its prefix chain: covers tokens [depth*size, (depth+1)*size)
+    size: int = 16  # tokens it holds (the pool's block_size)
     num_hits: int = 0  # times reused through the prefix cache since it was cached
     last_used_s: float = 0.0
     cached_s: float = 0.0
@@ -159,10 +160,6 @@ class ReplicaView:
     @property
     def num_outstanding(self) -> int:
         return self.num_waiting + self.num_running
-
-    @property
-    def kv_free_fraction(self) -> float:
-        return self.num_free_blocks / self.num_blocks
 
 
 @runtime_checkable

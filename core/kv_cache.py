@@ -26,7 +26,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.eviction = eviction
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [Block(i, size=block_size) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
@@ -42,9 +42,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

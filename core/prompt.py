@@ -2,7 +2,7 @@
 
 A block's identity is the tokens fed to the model plus extra keys (the tenant / cache salt), chained
 through the parent block's hash, so equal hashes mean equal prefixes. Requests that carry Mooncake-style
-``hash_ids`` (each id = ``hash_block_size`` fixed pseudo-random tokens) are hashed by the ids that cover
+``hash_ids`` (each id = ``tokens_per_hash_id`` fixed pseudo-random tokens) are hashed by the ids that cover
 each block, which gives exactly the sharing their materialised tokens would give, without building
 the tokens (the simulator never needs them; the engine calls ``materialize``).
 
@@ -40,7 +40,7 @@ def block_hashes(request: Request, block_size: int) -> list[int]:
             parent = hash((parent, ids[i * block_size:(i + 1) * block_size]))
             out.append(parent)
     elif request.hash_ids is not None:
-        hb = request.hash_block_size
+        hb = request.tokens_per_hash_id
         for i in range(n_full):
             lo, hi = i * block_size, (i + 1) * block_size
             # (hash_id, start, end) for every content block this KV block overlaps
@@ -67,7 +67,7 @@ def materialize(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
     if request.prompt_token_ids is not None:
         return list(request.prompt_token_ids)
     if request.hash_ids is not None:
-        hb = request.hash_block_size
+        hb = request.tokens_per_hash_id
         n_ids = -(-request.prompt_len // hb)
         parts = [content_block(h, hb, vocab_size, seed) for h in request.hash_ids[:n_ids]]
         return np.concatenate(parts)[:request.prompt_len].tolist()

@@ -92,9 +92,6 @@ class Replica:
         self._last_hashed: tuple[Request | None, list[int]] = (None, [])
         self._aborts: dict[str, tuple[RequestState, Status, str]] = {}  # running requests to end at next schedule()
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> RequestState:

@@ -59,7 +59,7 @@ class Request:
 
     The prompt's *content* decides prefix sharing and comes in one of three forms:
     ``prompt_token_ids`` (real tokens), ``hash_ids`` (Mooncake-style content ids, each standing for
-    ``hash_block_size`` fixed pseudo-random tokens, see ``core.prompt``) or neither (content unique to
+    ``tokens_per_hash_id`` fixed pseudo-random tokens, see ``core.prompt``) or neither (content unique to
     this request: it shares nothing). ``prompt_len`` is always set.
 
     Stop conditions: a request ends after ``max_new_tokens`` outputs, or at a stop token (the model's EOS ids
@@ -73,7 +73,7 @@ class Request:
     max_new_tokens: int
     prompt_token_ids: tuple[int, ...] | None = None
     hash_ids: tuple[int, ...] | None = None
-    hash_block_size: int = 512
+    tokens_per_hash_id: int = 512
     tenant: str = ""  # also the cache salt: different tenants never share KV blocks
     priority: int = 0  # lower value = more important (as in vLLM)
     slo_class: str = "default"
@@ -95,8 +95,8 @@ class Request:
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
             raise ValueError(f"request {self.id}: prompt_token_ids has {len(self.prompt_token_ids)} tokens, "
                              f"prompt_len says {self.prompt_len}")
-        if self.hash_ids is not None and len(self.hash_ids) * self.hash_block_size < self.prompt_len:
-            raise ValueError(f"request {self.id}: {len(self.hash_ids)} hash_ids x {self.hash_block_size} tokens "
+        if self.hash_ids is not None and len(self.hash_ids) * self.tokens_per_hash_id < self.prompt_len:
+            raise ValueError(f"request {self.id}: {len(self.hash_ids)} hash_ids x {self.tokens_per_hash_id} tokens "
                              f"cannot cover prompt_len {self.prompt_len}")
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"request {self.id}: sampling must be a SamplingParams or None, got {self.sampling!r}")

@@ -78,13 +78,13 @@ def tenant_name(index: int, num_tenants: int) -> str:
     return "" if num_tenants == 1 else f"tenant{index}"
 
 
-def content_block_size(hash_block_size: int, shared_len: int) -> int:
+def content_block_size(tokens_per_hash_id: int, shared_len: int) -> int:
     """Tokens per content id such that a shared segment of ``shared_len`` tokens is a whole number of ids.
 
     Sharing through ``hash_ids`` is exact only at id boundaries; gcd keeps a segment ending mid-block from
     either leaking into or losing part of the tokens that follow it.
     """
-    return math.gcd(hash_block_size, shared_len) if shared_len else hash_block_size
+    return math.gcd(tokens_per_hash_id, shared_len) if shared_len else tokens_per_hash_id
 
 
 class IdCounter:

@@ -21,11 +21,11 @@ class _Replay(OpenLoop):
     """
 
     def __init__(self, source: str | Path, rows: Iterable[TraceRow], time_scale: float, warmup_requests: int,
-                 seed: int, rebase: bool, hash_block_size: int) -> None:
+                 seed: int, rebase: bool, tokens_per_hash_id: int) -> None:
         self.time_scale = check_float(time_scale, "time_scale", 0.0, strict=True)
         self.warmup_requests = check_int(warmup_requests, "warmup_requests", 0)
         self.seed = check_seed(seed)  # traces are deterministic; accepted so every workload takes the root seed
-        self.hash_block_size = hash_block_size
+        self.tokens_per_hash_id = tokens_per_hash_id
         self.rows = sorted(rows, key=lambda r: r.arrival_s)
         if not self.rows:
             raise ValueError(f"workload.path={str(source)!r}: no requests in the file")
@@ -38,7 +38,7 @@ class _Replay(OpenLoop):
         return Request(id=r.id if r.id is not None else f"r{r.index}",
                        arrival_s=(r.arrival_s - self.t0) * self.time_scale,
                        prompt_len=r.prompt_len, max_new_tokens=r.output_len, prompt_token_ids=r.prompt_token_ids,
-                       hash_ids=r.hash_ids, hash_block_size=self.hash_block_size, tenant=r.tenant,
+                       hash_ids=r.hash_ids, tokens_per_hash_id=self.tokens_per_hash_id, tenant=r.tenant,
                        priority=r.priority, warmup=r.warmup or k < self.warmup_requests)
 
     def initial(self) -> Iterator[Request]:
@@ -71,7 +71,7 @@ class MooncakeTrace(_Replay):
         rows = read_mooncake(path, limit)
         if length_scale != 1.0:
             rows = _scaled(rows, length_scale, keep_ids=True)
-        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=True, hash_block_size=int(block))
+        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=True, tokens_per_hash_id=int(block))
 
 
 class AzureTrace(_Replay):
@@ -84,20 +84,20 @@ class AzureTrace(_Replay):
         rows = read_azure(path, limit)
         if length_scale != 1.0:
             rows = _scaled(rows, length_scale, keep_ids=False)
-        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=True, hash_block_size=MOONCAKE_BLOCK)
+        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=True, tokens_per_hash_id=MOONCAKE_BLOCK)
 
 
 class RequestList(_Replay):
     """An explicit request list (JSONL or CSV); arrival times are used as given (times ``time_scale``)."""
 
     def __init__(self, path: str | Path, limit: int | None = None, time_scale: float = 1.0,
-                 hash_block_size: int = 16, warmup_requests: int = 0, seed: int = 0) -> None:
-        hash_block_size = check_int(hash_block_size, "hash_block_size", 1)
+                 tokens_per_hash_id: int = 16, warmup_requests: int = 0, seed: int = 0) -> None:
+        tokens_per_hash_id = check_int(tokens_per_hash_id, "tokens_per_hash_id", 1)
         limit = None if limit is None else check_int(limit, "limit", 1)
-        rows = list(read_request_list(path, limit, hash_block_size))
+        rows = list(read_request_list(path, limit, tokens_per_hash_id))
         seen: dict[str, int] = {}
         for r in rows:
             if r.id in seen:
                 raise ValueError(f"{path}:{r.line}: field 'id': duplicate id {r.id!r} (first on line {seen[r.id]})")
             seen[r.id] = r.line
-        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=False, hash_block_size=hash_block_size)
+        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=False, tokens_per_hash_id=tokens_per_hash_id)

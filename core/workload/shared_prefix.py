@@ -1,9 +1,9 @@
 """Prefix-sharing workloads: groups sharing a system prompt, and multi-turn sessions.
 
-Shared content is expressed with ``Request.hash_ids``: each id stands for ``hash_block_size`` fixed
+Shared content is expressed with ``Request.hash_ids``: each id stands for ``tokens_per_hash_id`` fixed
 pseudo-random tokens (``core.prompt``), equal ids mean equal tokens, and unshared content gets fresh ids
 from the workload's counter. Sharing is exact at the token level: a shared segment always ends on an id
-boundary (the id size is shrunk to gcd(hash_block_size, segment length) where needed), and a session's
+boundary (the id size is shrunk to gcd(tokens_per_hash_id, segment length) where needed), and a session's
 turns are prefixes of one token stream, so a partial last id of one turn is the same id, with the same
 leading tokens, in the next turn.
 """
@@ -53,7 +53,7 @@ class SharedPrefixWorkload(OpenLoop):
     def __init__(self, arrival: Mapping[str, Any], num_groups: int, prefix_len: int,
                  suffix_len: Mapping[str, Any] | int, output_len: Mapping[str, Any] | int,
                  num_requests: int | None = None, duration_s: float | None = None, warmup_requests: int = 0,
-                 num_tenants: int = 1, assignment: str = "random", zipf_s: float = 0.0, hash_block_size: int = 16,
+                 num_tenants: int = 1, assignment: str = "random", zipf_s: float = 0.0, tokens_per_hash_id: int = 16,
                  seed: int = 0) -> None:
         if assignment not in ASSIGNMENTS:
             raise ValueError(f"workload.assignment={assignment!r}; allowed: {list(ASSIGNMENTS)}")
@@ -69,7 +69,7 @@ class SharedPrefixWorkload(OpenLoop):
         self.assignment = assignment
         w = 1.0 / np.arange(1, self.num_groups + 1) ** check_float(zipf_s, "zipf_s")
         self.group_weights = w / w.sum()
-        self.block = content_block_size(check_int(hash_block_size, "hash_block_size", 1), self.prefix_len)
+        self.block = content_block_size(check_int(tokens_per_hash_id, "tokens_per_hash_id", 1), self.prefix_len)
         self.seed = check_seed(seed)
 
     def group_ids(self, g: int) -> tuple[int, ...]:
@@ -87,7 +87,7 @@ class SharedPrefixWorkload(OpenLoop):
             n_suffix = next(suffixes)
             yield Request(id=f"r{i}", arrival_s=t, prompt_len=self.prefix_len + n_suffix, max_new_tokens=next(outputs),
                           hash_ids=self.group_ids(g) + counter.take(blocks(n_suffix, self.block)),
-                          hash_block_size=self.block, tenant=tenant_name(g % self.num_tenants, self.num_tenants),
+                          tokens_per_hash_id=self.block, tenant=tenant_name(g % self.num_tenants, self.num_tenants),
                           warmup=i < self.warmup_requests)
 
 
@@ -119,7 +119,7 @@ class MultiTurnWorkload:
                  output_len: Mapping[str, Any] | int, num_turns: Mapping[str, Any] | int = 4,
                  num_sessions: int | None = None, duration_s: float | None = None, system_prompt_len: int = 0,
                  think_time_s: float = 0.0, think: str = "fixed", max_prompt_len: int | None = None,
-                 warmup_sessions: int = 0, num_tenants: int = 1, hash_block_size: int = 16, seed: int = 0) -> None:
+                 warmup_sessions: int = 0, num_tenants: int = 1, tokens_per_hash_id: int = 16, seed: int = 0) -> None:
         self.arrival = make_arrivals(arrival)
         check_bound(num_sessions, duration_s, "num_sessions", required=not isinstance(self.arrival, TraceArrivals))
         self.user_len = make_length(user_len, "user_len")
@@ -131,7 +131,7 @@ class MultiTurnWorkload:
         self.max_prompt_len = None if max_prompt_len is None else check_int(max_prompt_len, "max_prompt_len", 1)
         self.warmup_sessions = check_int(warmup_sessions, "warmup_sessions", 0)
         self.num_tenants = check_int(num_tenants, "num_tenants", 1)
-        self.block = content_block_size(check_int(hash_block_size, "hash_block_size", 1), self.system_prompt_len)
+        self.block = content_block_size(check_int(tokens_per_hash_id, "tokens_per_hash_id", 1), self.system_prompt_len)
         self.seed = check_seed(seed)
         self._live: dict[str, _Session] = {}
         self._counter = IdCounter()
@@ -144,7 +144,7 @@ class MultiTurnWorkload:
             sess.ids.extend(self._counter.take(need - len(sess.ids)))
         req = Request(id=f"s{sess.index}t{sess.turn}", arrival_s=arrival_s, prompt_len=prompt_len,
                       max_new_tokens=int(self.output_len.sample(sess.rng, 1)[0]), hash_ids=tuple(sess.ids[:need]),
-                      hash_block_size=self.block, tenant=sess.tenant, warmup=sess.warmup)
+                      tokens_per_hash_id=self.block, tenant=sess.tenant, warmup=sess.warmup)
         self._live[req.id] = sess
         return req
 

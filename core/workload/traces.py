@@ -190,7 +190,7 @@ def read_azure(path: str | Path, limit: int | None = None) -> Iterator[TraceRow]
         yield TraceRow(i, ln.line, round((sec - t0[0]) + (frac - t0[1]), 7), n_in, n_out)  # 100 ns ticks
 
 
-def read_request_list(path: str | Path, limit: int | None = None, hash_block_size: int = 16) -> Iterator[TraceRow]:
+def read_request_list(path: str | Path, limit: int | None = None, tokens_per_hash_id: int = 16) -> Iterator[TraceRow]:
     """Explicit requests from JSONL (``.jsonl``/``.json``) or CSV (``.csv``)."""
     file = resolve_path(path)
     if file.suffix == ".csv":
@@ -212,9 +212,9 @@ def read_request_list(path: str | Path, limit: int | None = None, hash_block_siz
                 raise ln.fail("prompt_tokens", f"{n_in} but prompt_token_ids has {len(tokens)} tokens")
             n_in = len(tokens)
         elif hids is not None:
-            n_in = len(hids) * hash_block_size if n_in is None else n_in
-            if len(hids) * hash_block_size < n_in:
-                raise ln.fail("hash_ids", f"{len(hids)} ids x {hash_block_size} tokens cannot cover {n_in} tokens")
+            n_in = len(hids) * tokens_per_hash_id if n_in is None else n_in
+            if len(hids) * tokens_per_hash_id < n_in:
+                raise ln.fail("hash_ids", f"{len(hids)} ids x {tokens_per_hash_id} tokens cannot cover {n_in} tokens")
         elif n_in is None:
             raise ln.fail("prompt_tokens", "missing (give prompt_tokens, prompt_token_ids or hash_ids)")
         if n_in < 1:
@@ -225,7 +225,7 @@ def read_request_list(path: str | Path, limit: int | None = None, hash_block_siz
         yield TraceRow(i, ln.line, arrival, n_in, n_out, rid, hids, tokens, tenant, ln.bool("warmup"), priority)
 
 
-def read_trace(path: str | Path, limit: int | None = None, hash_block_size: int = 16) -> Iterator[TraceRow]:
+def read_trace(path: str | Path, limit: int | None = None, tokens_per_hash_id: int = 16) -> Iterator[TraceRow]:
     """Any of the three formats, told apart by suffix and header (Mooncake ``timestamp`` / Azure ``TIMESTAMP``)."""
     file = resolve_path(path)
     with open(file, newline="") as f:
@@ -234,4 +234,4 @@ def read_trace(path: str | Path, limit: int | None = None, hash_block_size: int 
         return read_azure(file, limit)
     if file.suffix in (".jsonl", ".json") and '"timestamp"' in head:
         return read_mooncake(file, limit)
-    return read_request_list(file, limit, hash_block_size)
+    return read_request_list(file, limit, tokens_per_hash_id)

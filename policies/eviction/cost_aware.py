@@ -22,29 +22,27 @@ class CostAwareEviction(KeyedEviction):
     first) therefore takes ``max(own key, child's key)``; ties go to the child, so chains shrink from the tail.
     """
 
-    def __init__(self, a: float = 1.0, b: float = 4e-5, block_size: int = 16) -> None:
+    def __init__(self, a: float = 1.0, b: float = 4e-5) -> None:
         if a < 0 or b < 0 or a + b <= 0:
             raise ValueError(f"eviction.a and eviction.b must be >= 0 and not both 0, got a={a}, b={b}")
-        if block_size < 1:
-            raise ValueError(f"eviction.block_size must be >= 1, got {block_size}")
         super().__init__()
-        self.a, self.b, self.block_size = a, b, block_size
+        self.a, self.b = a, b
         self.clock = 0.0
         self._keys: dict[int, float] = {}
         self._work: dict[int, float] = {}  # depth -> block_work(depth)
         self._last: tuple[float, int, float] | None = None  # (now, depth, key) of the previous on_free
 
-    def block_work(self, depth: int) -> float:
-        """C((d + 1) * bs) - C(d * bs): the block's tokens, each attending to everything before it."""
+    def block_work(self, depth: int, bs: int) -> float:
+        """C((d + 1) * bs) - C(d * bs): the block's tokens, each attending to everything before it (one pool has
+        one block size, so the cache is keyed by depth)."""
         w = self._work.get(depth)
         if w is None:
-            bs = self.block_size
             w = self._work[depth] = float(prefix_work((depth + 1) * bs, self.a, self.b)
                                           - prefix_work(depth * bs, self.a, self.b))
         return w
 
     def key(self, block: Block, now: float) -> float:
-        k = self.clock + (block.num_hits + 1) * self.block_work(block.depth)
+        k = self.clock + (block.num_hits + 1) * self.block_work(block.depth, block.size)
         if self._last is not None and self._last[:2] == (now, block.depth + 1):
             k = max(k, self._last[2])
         self._last = (now, block.depth, k)

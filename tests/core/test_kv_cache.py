@@ -46,8 +46,8 @@ def test_tenants_never_share_blocks():
 
 def test_hash_ids_share_exactly_like_tokens():
     # two requests whose first content block (hash id 7, 64 tokens) is equal share 64 // 16 = 4 blocks
-    a = Request("a", 0, 100, 1, hash_ids=(7, 8), hash_block_size=64)
-    b = Request("b", 0, 100, 1, hash_ids=(7, 9), hash_block_size=64)
+    a = Request("a", 0, 100, 1, hash_ids=(7, 8), tokens_per_hash_id=64)
+    b = Request("b", 0, 100, 1, hash_ids=(7, 9), tokens_per_hash_id=64)
     ha, hb = block_hashes(a, 16), block_hashes(b, 16)
     assert ha[:4] == hb[:4] and not set(ha[4:]) & set(hb[4:])
 
@@ -72,7 +72,7 @@ request_lists = st.lists(
 @given(request_lists, st.sampled_from([4, 16]), st.integers(8, 40), st.sampled_from([16, 64, 256]),
        st.booleans())
 def test_accounting_invariants_under_random_load(spec, block_size, num_blocks, budget, prefix_caching):
-    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), hash_block_size=32, tenant=tenant)
+    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), tokens_per_hash_id=32, tenant=tenant)
             for i, (t, p, o, g, tenant) in enumerate(spec)]
     checks = []
 
@@ -109,7 +109,7 @@ def test_accounting_invariants_under_random_load(spec, block_size, num_blocks, b
 
 @given(request_lists)
 def test_same_input_same_timeline(spec):
-    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), hash_block_size=32)
+    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), tokens_per_hash_id=32)
             for i, (t, p, o, g, _) in enumerate(spec)]
 
     def timeline():

@@ -158,7 +158,7 @@ def test_abort_running_request_ends_it_at_the_next_schedule():
     assert ended == [("a", Status.CANCELLED)] and rep.kv.num_blocks_held("a") == 0
     assert [ch.state.id for ch in batch.chunks] == ["b"] and rep.running == [b]
     assert rep.abort("a", 0.02, "late") is None
-    while rep.has_work:
+    while rep.waiting or rep.running:
         rep.apply(batch, ScriptExecutor().tokens(batch), 0.02)
         batch = rep.schedule(0.02)
     assert b.status is Status.FINISHED and b.num_output_tokens == 8
@@ -222,4 +222,4 @@ def test_aborts_during_a_run_free_every_block_and_counts_add_up():
     assert all(states[rid].status in (Status.CANCELLED, Status.FINISHED) for rid in cancelled_as)
     assert all(s.num_output_tokens == 12 for s in res.states if s.status is Status.FINISHED)
     rep.kv.check_invariants()
-    assert rep.kv.num_used_blocks == 0 and not rep.has_work
+    assert rep.kv.num_used_blocks == 0 and not (rep.waiting or rep.running)

@@ -29,7 +29,7 @@ def test_mooncake_first_100_rows():
     for i, d in enumerate(raw):
         r = by_id[f"r{i}"]
         assert r.arrival_s == pytest.approx((d["timestamp"] - t0) / 1000)
-        assert (r.prompt_len, r.max_new_tokens, r.hash_ids, r.hash_block_size) == \
+        assert (r.prompt_len, r.max_new_tokens, r.hash_ids, r.tokens_per_hash_id) == \
             (d["input_length"], d["output_length"], tuple(d["hash_ids"]), 512)
     # rows sharing their first hash ids share exactly those KV blocks (16-token blocks: 32 per id)
     a, b = by_id["r0"], by_id["r1"]
@@ -48,7 +48,7 @@ def test_mooncake_time_and_length_scale():
     small = list(MooncakeTrace(limit=50, time_scale=0.5, length_scale=1 / 32).initial())
     for r, s in zip(base, small, strict=True):
         assert s.arrival_s == pytest.approx(r.arrival_s * 0.5)
-        assert s.hash_block_size == 16 and s.hash_ids == r.hash_ids
+        assert s.tokens_per_hash_id == 16 and s.hash_ids == r.hash_ids
         assert s.prompt_len == max(1, round(r.prompt_len / 32)) and s.max_new_tokens == max(1, round(r.max_new_tokens
                                                                                                       / 32))
     with pytest.raises(ValueError, match="length_scale"):
@@ -126,7 +126,7 @@ def test_request_list_jsonl_and_csv(tmp_path):
                  "a,1.0,,,1 2,3,,1,-1\n"
                  "c,3.0,20,,1 9,1,,false,\n")
     for f in (j, c):
-        a, b, cc = list(RequestList(path=str(f), hash_block_size=16, time_scale=2.0).initial())
+        a, b, cc = list(RequestList(path=str(f), tokens_per_hash_id=16, time_scale=2.0).initial())
         assert (a.id, a.arrival_s, a.prompt_len, a.hash_ids, a.warmup, a.priority) == ("a", 2.0, 32, (1, 2), True, -1)
         assert (b.id, b.prompt_token_ids, b.prompt_len, b.tenant, b.max_new_tokens) == ("b", (5, 6, 7), 3, "x", 4)
         assert (cc.prompt_len, cc.warmup) == (20, False)

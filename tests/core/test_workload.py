@@ -216,7 +216,7 @@ def test_shared_prefix_sharing_is_exact(prefix_len):
     assert not (alls[0] & alls[1]) and not (alls[0] & alls[2]) and not (alls[1] & alls[2])
     # groups 0 and 2 are both tenant0 but have different prompts; same ids under another tenant never match
     r = groups[0][0]
-    other = Request(r.id, r.arrival_s, r.prompt_len, 1, hash_ids=r.hash_ids, hash_block_size=r.hash_block_size,
+    other = Request(r.id, r.arrival_s, r.prompt_len, 1, hash_ids=r.hash_ids, tokens_per_hash_id=r.tokens_per_hash_id,
                     tenant="tenant9")
     assert not set(block_hashes(r, bs)) & set(block_hashes(other, bs))
 

@@ -177,7 +177,7 @@ def test_per_request_sampling_in_mixed_batches(tiny, mixed):
 def test_materialised_prompts(tiny):
     """Requests without token ids (hash ids, or unique content) feed core.prompt.materialize's tokens."""
     hf, model = tiny["llama"]
-    reqs = [Request("h", 0.0, 10, 4, hash_ids=(3, 4, 5), hash_block_size=4), Request("u", 0.0, 7, 4)]
+    reqs = [Request("h", 0.0, 10, 4, hash_ids=(3, 4, 5), tokens_per_hash_id=4), Request("u", 0.0, 7, 4)]
     states = [RequestState(r) for r in reqs]
     runner = make_runner(model)
     run_to_completion(runner, Blocks(), states, 3)

@@ -82,17 +82,17 @@ def test_fifo_evicts_by_insertion_even_when_recently_used():
 
 
 def test_cost_aware_key_by_hand():
-    pol = CostAwareEviction(a=1.0, b=1.0, block_size=4)
+    pol = CostAwareEviction(a=1.0, b=1.0)
     # C(n) = n + n(n+1)/2: block 0 = C(4) - C(0) = 14, block 2 = C(12) - C(8) = 90 - 44 = 46
     assert prefix_work(12, 1.0, 1.0) - prefix_work(8, 1.0, 1.0) == 46
-    pol.on_free(Block(0, depth=0, num_hits=3), 1.0)  # (3 + 1) * 14 = 56
-    pol.on_free(Block(1, depth=2, num_hits=0), 2.0)  # 46
-    pol.on_free(Block(2, depth=0, num_hits=0), 3.0)  # 14
+    pol.on_free(Block(0, depth=0, num_hits=3, size=4), 1.0)  # (3 + 1) * 14 = 56
+    pol.on_free(Block(1, depth=2, num_hits=0, size=4), 2.0)  # 46
+    pol.on_free(Block(2, depth=0, num_hits=0, size=4), 3.0)  # 14
     assert [pol.victim(), pol.clock] == [2, 14]
-    pol.on_free(Block(3, depth=0, num_hits=0), 4.0)  # aged: clock 14 + 14 = 28
+    pol.on_free(Block(3, depth=0, num_hits=0, size=4), 4.0)  # aged: clock 14 + 14 = 28
     assert [pol.victim(), pol.clock] == [3, 28]
     assert [pol.victim(), pol.clock] == [1, 46]
-    pol.on_free(Block(4, depth=1, num_hits=0), 5.0)  # 46 + (C(8) - C(4)) = 46 + 30 = 76 > 56
+    pol.on_free(Block(4, depth=1, num_hits=0, size=4), 5.0)  # 46 + (C(8) - C(4)) = 46 + 30 = 76 > 56
     assert [pol.victim(), pol.victim()] == [0, 4] and len(pol) == 0
     with pytest.raises(LookupError):
         pol.victim()
@@ -106,14 +106,14 @@ def test_cost_aware_keeps_the_expensive_block_that_lru_evicts():
         force_evictions(kv, 2, 3.0)  # 1 free block + 1 eviction
         kv.check_invariants()
         return kv
-    cost, lru = build(CostAwareEviction(a=1.0, b=1.0, block_size=BS)), build(LRUEviction())
+    cost, lru = build(CostAwareEviction(a=1.0, b=1.0)), build(LRUEviction())
     assert (cached_blocks(cost, 1, 3), cached_blocks(cost, 2, 1)) == (3, 0)
     assert (cached_blocks(lru, 1, 3), cached_blocks(lru, 2, 1)) == (2, 1)  # LRU takes the chain's tail
 
 
 def test_cost_aware_shrinks_a_chain_from_its_tail():
     # the root is the cheapest block by its own work, but evicting it would orphan the other two
-    kv = KVCacheManager(4, BS, CostAwareEviction(a=1.0, b=1.0, block_size=BS))
+    kv = KVCacheManager(4, BS, CostAwareEviction(a=1.0, b=1.0))
     run(kv, prompt(1, 3), 1.0)
     for kept in (2, 1, 0):
         force_evictions(kv, 1 if kept < 2 else 2, 2.0 + kept)
@@ -124,7 +124,7 @@ def test_cost_aware_shrinks_a_chain_from_its_tail():
 def test_cost_aware_weights_hits():
     # a shallow block reused 3 times (4 x 14 = 56) outlives a deep unused one (46): hits outweigh depth
     def build():
-        kv = KVCacheManager(5, BS, CostAwareEviction(a=1.0, b=1.0, block_size=BS))
+        kv = KVCacheManager(5, BS, CostAwareEviction(a=1.0, b=1.0))
         for t in (1.0, 2.0, 3.0, 4.0):
             run(kv, prompt(2, 1), t)
         run(kv, prompt(1, 3), 5.0)
@@ -137,5 +137,3 @@ def test_cost_aware_weights_hits():
 def test_cost_aware_rejects_bad_coefficients():
     with pytest.raises(ValueError, match="eviction.a"):
         CostAwareEviction(a=-1.0)
-    with pytest.raises(ValueError, match="block_size"):
-        CostAwareEviction(block_size=0)

@@ -34,7 +34,7 @@ SCHEDULERS = {
     "lpm": (lambda: LPMScheduler(fcfs_threshold=4), True),  # small threshold: both orders get exercised
 }
 EVICTIONS = {"lru": LRUEviction, "lfu": LFUEviction, "fifo": FIFOEviction,
-             "cost_aware": lambda: CostAwareEviction(a=1.0, b=0.01, block_size=BLOCK)}
+             "cost_aware": lambda: CostAwareEviction(a=1.0, b=0.01)}
 BLOCK = 8
 
 
@@ -60,7 +60,7 @@ request_specs = st.lists(
        max_seqs=st.sampled_from([1, 3, 8]))
 def test_invariants_on_random_workloads(scheduler, eviction, spec, num_blocks, budget, max_seqs):
     factory, chunked = SCHEDULERS[scheduler]
-    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), hash_block_size=32, tenant=tenant,
+    reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), tokens_per_hash_id=32, tenant=tenant,
                     priority=prio, ttft_deadline_s=deadline)
             for i, (t, p, o, g, tenant, prio, deadline) in enumerate(spec)]
     limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=4096)

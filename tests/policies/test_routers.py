@@ -66,11 +66,11 @@ def test_cost_based_on_real_replicas():
     bs, shared = 16, tuple(range(1, 9))  # 8 content blocks of 16 tokens = 128 shared tokens
     reps = [Replica(i, SarathiScheduler(), KVCacheManager(64, bs, LRUEviction()), SchedulerLimits())
             for i in range(2)]
-    warm = reps[0].add(Request("warm", 0.0, 129, 1, hash_ids=shared + (99,), hash_block_size=bs), 0.0)
+    warm = reps[0].add(Request("warm", 0.0, 129, 1, hash_ids=shared + (99,), tokens_per_hash_id=bs), 0.0)
     batch = reps[0].schedule(0.0)
     reps[0].apply(batch, [1], 0.01)  # warm finishes; its 8 full blocks stay cached on replica 0
     assert warm.finish_s == 0.01
-    req = Request("q", 1.0, 129, 4, hash_ids=shared + (7,), hash_block_size=bs)
+    req = Request("q", 1.0, 129, 4, hash_ids=shared + (7,), tokens_per_hash_id=bs)
     assert reps[0].view().cached_prefix_len(req) == 128 and reps[1].view().cached_prefix_len(req) == 0
     r = CostBasedRouter(prefill_s_per_token=1e-3, prefill_s_per_pair=0.0, decode_s_per_token=1e-3)
     assert r.route(req, [x.view() for x in reps]) == 0  # the hit saves 0.128 s, nothing queued

@@ -129,7 +129,7 @@ def test_priority_request_takes_the_seat_of_a_less_important_one():
 def lpm_requests():
     """W warms the cache with content blocks 1,2,3; then X, Y, Z arrive together sharing 0, 1 and 2 blocks."""
     def req(rid, t, ids):
-        return Request(rid, t, 48, 2, hash_ids=ids, hash_block_size=16)
+        return Request(rid, t, 48, 2, hash_ids=ids, tokens_per_hash_id=16)
     return [req("W", 0.0, (1, 2, 3)), req("X", 1.0, (5, 6, 7)), req("Y", 1.0, (1, 8, 9)), req("Z", 1.0, (1, 2, 9))]
 
 
