@@ -109,7 +109,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    s = Server(ckpt, tmp_path_factory.mktemp("serve"), "kv.num_blocks=512", "scheduler.max_num_seqs=64")
+    s = Server(ckpt, tmp_path_factory.mktemp("serve"), "kv.num_blocks=512", "scheduler.max_num_seqs=64", "replicas=2",
+               "router=least_outstanding")  # two engine replicas behind the router, in one process
     yield s
     s.stop()
 
@@ -222,7 +223,7 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
     """One sequence at a time and one waiting slot: a third request gets 429. A client that drops its stream
     frees its KV at once. SIGTERM drains and writes complete run files."""
     s = Server(ckpt, tmp_path / "run", "scheduler.max_num_seqs=1", "serve.max_waiting=1", "kv.num_blocks=64",
-               "serve.drain_timeout_s=5")
+               "serve.drain_timeout_s=5", "serve.flush_interval_s=0.5")
     try:
         assert s.metric("kv_cache_usage_perc") == 0.0
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
@@ -245,6 +246,10 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
         while s.metric("kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.metric("kv_cache_usage_perc") == 0.0
+        deadline = time.monotonic() + 10  # the run files are flushed while serving
+        while not (tmp_path / "run" / "metrics.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert json.loads((tmp_path / "run" / "metrics.json").read_text())["num_requests"] >= 1
         # SIGTERM while a request streams: it is drained (finishes), files are written, the process exits
         last = client.completions.create(model=str(ckpt), prompt=[10] * 5, max_tokens=30, stream=True, extra_body={"ignore_eos": True})
         next(iter(last))
