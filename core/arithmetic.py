@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+from core.checks import check_choice, check_int
 from core.specs import ModelSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -38,19 +39,14 @@ KV_DTYPE_BITS = {"auto": 16, "int8": 8}  # the engine's ``kv_dtype`` names -> kv
 
 
 def check_quant(weight_bits: int, kv_bits: int, group_size: int) -> None:
-    if weight_bits not in WEIGHT_BITS:
-        raise ValueError(f"cost_model.weight_bits={weight_bits!r}; allowed: {list(WEIGHT_BITS)}")
-    if kv_bits not in KV_BITS:
-        raise ValueError(f"cost_model.kv_bits={kv_bits!r}; allowed: {list(KV_BITS)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"cost_model.group_size={group_size!r}; allowed: an integer >= 1")
+    check_choice(weight_bits, "cost_model.weight_bits", WEIGHT_BITS)
+    check_choice(kv_bits, "cost_model.kv_bits", KV_BITS)
+    check_int(group_size, "cost_model.group_size", 1)
 
 
 def kv_bits_of(kv_dtype: str) -> int:
     """kv_bits for the engine's ``kv_dtype`` ("auto": the model dtype, "int8")."""
-    if kv_dtype not in KV_DTYPE_BITS:
-        raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {list(KV_DTYPE_BITS)}")
-    return KV_DTYPE_BITS[kv_dtype]
+    return KV_DTYPE_BITS[check_choice(kv_dtype, "kv_dtype", KV_DTYPE_BITS)]
 
 
 def act_bytes(m: ModelSpec) -> int:
@@ -129,8 +125,7 @@ def kv_bytes_per_token(m: ModelSpec, kv_bits: int = 16) -> float:
 
 def kv_bytes_per_block(m: ModelSpec, block_size: int, kv_bits: int = 16) -> float:
     """One paged block of ``block_size`` tokens over all layers (K, V and int8 scales)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"kv.block_size={block_size!r}; allowed: an integer >= 1")
+    check_int(block_size, "kv.block_size", 1)
     return kv_bytes_per_token(m, kv_bits) * block_size
 
 
@@ -147,8 +142,7 @@ def kv_capacity_gain(m: ModelSpec, kv_bits: int) -> float:
 
 def kv_heads_per_device(m: ModelSpec, tp: int) -> int:
     """KV heads each tensor-parallel device stores; replicated when tp > Hkv (as vLLM does)."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"cost_model.tp={tp!r}; allowed: an integer >= 1")
+    check_int(tp, "cost_model.tp", 1)
     if m.num_heads % tp:
         raise ValueError(f"cost_model.tp={tp} must divide model.num_heads={m.num_heads}")
     if m.num_kv_heads % tp and tp % m.num_kv_heads:

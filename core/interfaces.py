@@ -1,7 +1,7 @@
 """The plugin Protocols. A policy implements one of these and imports nothing but ``core``.
 
-This module depends only on ``core.batch`` and ``core.request``; the KV cache and the replica implement what
-it declares (``SchedulerView``, ``EvictionPolicy``'s ``Block``), never the other way round.
+This module depends only on ``core.batch``, ``core.checks`` and ``core.request``; the KV cache and the replica
+implement what it declares (``SchedulerView``, ``EvictionPolicy``'s ``Block``), never the other way round.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 from core.batch import Batch
+from core.checks import check_float, check_int
 from core.request import Request, RequestState
 
 
@@ -29,10 +30,9 @@ class SchedulerLimits:
 
     def __post_init__(self) -> None:
         for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"scheduler.{key} must be >= 1, got {getattr(self, key)}")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
+            check_int(getattr(self, key), f"scheduler.{key}", 1)
+        if self.request_timeout_s is not None:
+            check_float(self.request_timeout_s, "request_timeout_s", 0.0, strict=True)
 
 
 class SchedulerView(Protocol):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from core.checks import check_int
 from core.interfaces import Block, EvictionPolicy  # Block lives with the EvictionPolicy that reads it
 from core.request import RequestState
 
@@ -18,10 +19,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy,
                  enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"kv.num_blocks must be >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"kv.block_size must be >= 1, got {block_size}")
+        check_int(num_blocks, "kv.num_blocks", 1)
+        check_int(block_size, "kv.block_size", 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.eviction = eviction

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from core import arithmetic
+from core.checks import check_choice, check_keys
 from core.request import RequestState, Status
 from core.specs import ModelSpec
 
@@ -82,8 +83,7 @@ def request_metrics(state: RequestState) -> RequestMetrics:
 
 def percentile(values: Iterable[float], p: float, method: str = "nearest_rank") -> float | None:
     """Nearest-rank (the smallest value with at least p% of the sample at or below it) or linear interpolation."""
-    if method not in PERCENTILE_METHODS:
-        raise ValueError(f"percentile_method={method!r}; allowed: {list(PERCENTILE_METHODS)}")
+    check_choice(method, "percentile_method", PERCENTILE_METHODS)
     if not 0 <= p <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {p}")
     x = np.sort(np.asarray(list(values), dtype=np.float64))
@@ -136,9 +136,7 @@ class SLO:
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any] | None) -> SLO:
         cfg = dict(cfg or {})
-        unknown = sorted(set(cfg) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"slo: unknown keys {unknown}; allowed: {[f.name for f in fields(cls)]}")
+        check_keys("slo", cfg, [f.name for f in fields(cls)])
         return cls(**cfg)
 
     def met(self, state: RequestState, m: RequestMetrics) -> bool:
@@ -182,8 +180,7 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
     ``prefix_cost`` = (a, b) of ``prefix_work``; (1, 0) makes work saved equal token reuse, and
     ``prefix_cost_coeffs(model)`` gives FLOP-based ones. ``stall_threshold_s`` defaults to ``slo.max_stall_s``.
     """
-    if percentile_method not in PERCENTILE_METHODS:
-        raise ValueError(f"percentile_method={percentile_method!r}; allowed: {list(PERCENTILE_METHODS)}")
+    check_choice(percentile_method, "percentile_method", PERCENTILE_METHODS)
     edges = [int(e) for e in prompt_len_edges]
     if any(e <= 0 for e in edges) or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
         raise ValueError(f"prompt_len_edges must be increasing positive ints, got {list(prompt_len_edges)}")

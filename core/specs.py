@@ -12,14 +12,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from core.checks import check_choice, check_keys
+
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
 def _from_mapping(cls, cfg: Mapping[str, Any]):
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(cfg) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; allowed: {sorted(names)}")
+    check_keys(cls.__name__, cfg, [f.name for f in fields(cls)])
     return cls(**dict(cfg))
 
 
@@ -62,10 +61,8 @@ class ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of "
                              f"model.num_kv_heads ({self.num_kv_heads})")
-        if self.architecture not in ARCHITECTURES.values():
-            raise ValueError(f"model.architecture={self.architecture!r}; allowed: {sorted(ARCHITECTURES.values())}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"model.dtype={self.dtype!r}; allowed: bfloat16, float16, float32")
+        check_choice(self.architecture, "model.architecture", sorted(ARCHITECTURES.values()))
+        check_choice(self.dtype, "model.dtype", ("bfloat16", "float16", "float32"))
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> ModelSpec:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from core import arithmetic
+from core.checks import check_choice
 from core.specs import ModelSpec
 from kernels.attention import AttentionPlan
 
@@ -50,15 +51,10 @@ def paged_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              cache.k_scale, cache.v_scale, **extra)
 
 
-def _check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {list(KV_DTYPES)}")
-
-
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str, kv_dtype: str = "auto") -> list[KVCache]:
     """One KVCache per layer, uninitialised: a slot is always written before attention reads it."""
-    _check_kv_dtype(kv_dtype)
+    check_choice(kv_dtype, "kv_dtype", KV_DTYPES)
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from core.batch import Batch
+from core.checks import check_bool, check_choice, check_float, check_fraction, check_int, check_keys
 from core.interfaces import BaseExecutor, StepOutput
 from core.specs import ModelSpec
 from engine.attention import allocate_kv_caches
@@ -16,6 +18,7 @@ from engine.loader import build_model
 from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingParams
+from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import get_kernels
 
 if TYPE_CHECKING:
@@ -41,9 +44,7 @@ class EngineExecutor(BaseExecutor):
     """
 
     def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, clock: str = "wall") -> None:
-        if clock not in STOPWATCHES:
-            raise ValueError(f"engine clock {clock!r}; allowed: {list(STOPWATCHES)}")
-        self.clock = clock
+        self.clock = check_choice(clock, "engine_clock", STOPWATCHES)
         self.stopwatch = STOPWATCHES[clock]  # the loop adds schedule() time read on the same stopwatch
         if kv_manager.block_size != runner.block_size:
             raise ValueError(f"KV manager block_size={kv_manager.block_size} != runner block_size="
@@ -95,43 +96,82 @@ def resolve_kernels(name: str, device: str | torch.device) -> str:
     return name
 
 
-def build_engine_executors(spec: ModelSpec, backend: Mapping[str, Any], kv_managers: list[KVCacheManager],
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = ("auto", "int8")
+QUANTS = (None, "w4a16")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's ``backend`` config section (``conf/backend/engine.yaml``), checked on construction: a bad value
+    fails naming ``backend.<key>``; ``from_mapping`` also rejects unknown keys. Counts given as whole floats (2.0)
+    are read as integers."""
+
+    name: str = "engine"
+    kernels: str = "auto"  # auto (triton on cuda, torch on cpu) | torch | triton
+    device: str = "cpu"  # cpu | cuda[:i]
+    dtype: str | None = None  # None: the model's dtype
+    quant: str | None = None  # None | w4a16
+    quant_group_size: int = 128  # W4A16 group (must divide the linear layers' input widths)
+    kv_dtype: str = "auto"  # auto (the model dtype) | int8
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    warmup_steps: int = 2  # untimed forward passes per executor before the run
+    num_threads: int | None = None  # torch CPU threads; None or 0: torch's default
+    ignore_eos: bool = True  # read by the replica limits (experiments.build), not by the executor
+
+    def __post_init__(self) -> None:
+        def put(key: str, value: Any) -> None:
+            object.__setattr__(self, key, value)
+
+        check_choice(self.name, "backend.name", ("engine",))
+        check_choice(self.kernels, "backend.kernels", ("auto", *KERNEL_BACKENDS))
+        check_choice(self.dtype, "backend.dtype", [*TORCH_DTYPES, None])
+        check_choice(self.quant, "backend.quant", QUANTS)
+        put("quant_group_size", check_int(self.quant_group_size, "backend.quant_group_size", 1, whole_float=True))
+        check_choice(self.kv_dtype, "backend.kv_dtype", KV_DTYPES)
+        put("temperature", check_float(self.temperature, "backend.temperature", 0.0))
+        put("top_p", check_fraction(self.top_p, "backend.top_p"))
+        put("top_k", check_int(self.top_k, "backend.top_k", 0, whole_float=True))
+        put("warmup_steps", check_int(self.warmup_steps, "backend.warmup_steps", 0, whole_float=True))
+        if self.num_threads is not None:
+            put("num_threads", check_int(self.num_threads, "backend.num_threads", 0, whole_float=True))
+        check_bool(self.ignore_eos, "backend.ignore_eos")
+
+    @classmethod
+    def from_mapping(cls, backend: Mapping[str, Any]) -> EngineOptions:
+        check_keys("backend", backend, [f.name for f in fields(cls)])
+        return cls(**backend)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else TORCH_DTYPES[self.dtype]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
+def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers: list[KVCacheManager],
                            seed: int = 0, clock: str = "wall") -> list[EngineExecutor]:
-    """One executor per replica from a ``conf/backend/engine.yaml`` section; the replicas share one model."""
-    allowed = {"name", "kernels", "device", "dtype", "quant", "quant_group_size", "kv_dtype", "temperature", "top_p",
-               "top_k", "warmup_steps", "num_threads", "ignore_eos"}
-    unknown = sorted(set(backend) - allowed)
-    if unknown:
-        raise ValueError(f"backend: unknown keys {unknown}; allowed: {sorted(allowed)}")
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, None: None}
-    if backend.get("dtype") not in dtypes:
-        raise ValueError(f"backend.dtype={backend.get('dtype')!r}; allowed: {list(dtypes)}")
-    if backend.get("kv_dtype", "auto") not in ("auto", "int8"):
-        raise ValueError(f"backend.kv_dtype={backend.get('kv_dtype')!r}; allowed: auto, int8")
-    quant = backend.get("quant")
-    if quant not in (None, "w4a16"):
-        raise ValueError(f"backend.quant={quant!r}; allowed: null, w4a16")
-    group = backend.get("quant_group_size", 128)
-    if quant and (not isinstance(group, int) or group < 1 or spec.hidden_size % group
-                  or spec.intermediate_size % group or (spec.num_heads * spec.head_dim) % group):
+    """One executor per replica; the replicas share one model."""
+    group = options.quant_group_size
+    if options.quant and (spec.hidden_size % group or spec.intermediate_size % group
+                          or (spec.num_heads * spec.head_dim) % group):
         raise ValueError(f"backend.quant_group_size={group!r} must divide the linear layers' input widths "
                          f"(hidden {spec.hidden_size}, attention {spec.num_heads * spec.head_dim}, "
                          f"FFN {spec.intermediate_size})")
-    if backend.get("num_threads"):
-        torch.set_num_threads(int(backend["num_threads"]))
-    sampling = SamplingParams(float(backend.get("temperature", 0.0)), float(backend.get("top_p", 1.0)),
-                              int(backend.get("top_k", 0)))
-    device = backend.get("device", "cpu")
-    kernels = resolve_kernels(backend.get("kernels", "auto"), device)
+    if options.num_threads:
+        torch.set_num_threads(options.num_threads)
+    kernels, sampling = resolve_kernels(options.kernels, options.device), options.sampling
     model, executors = None, []
     for kv in kv_managers:
-        ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels,
-                                   device=device, dtype=dtypes[backend.get("dtype")],
-                                   quant=backend.get("quant"), group_size=int(backend.get("quant_group_size", 128)),
-                                   kv_dtype=backend.get("kv_dtype", "auto"), seed=seed, sampling=sampling, model=model,
-                                   clock=clock)
+        ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=options.device,
+                                   dtype=options.torch_dtype, quant=options.quant, group_size=group,
+                                   kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock)
         model = ex.runner.model
-        ex.warmup(int(backend.get("warmup_steps", 2)))
+        ex.warmup(options.warmup_steps)
         executors.append(ex)
     return executors
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from core.checks import check_choice
 from core.specs import ModelSpec
 from engine.model import LlamaForCausalLM
 
@@ -108,11 +109,6 @@ def init_random(model: LlamaForCausalLM, seed: int = 0) -> None:
             param.data.normal_(0.0, RANDOM_INIT_STD, generator=gen)
 
 
-def _check_quant(quant: str | None) -> None:
-    if (quant or "none") not in QUANT_MODES:
-        raise ValueError(f"quant={quant!r}; allowed: {list(QUANT_MODES)}")
-
-
 def _finish(model: LlamaForCausalLM, quant: str | None, group_size: int) -> LlamaForCausalLM:
     if quant == "w4a16":
         model.quantize(group_size)
@@ -123,7 +119,7 @@ def load_model(path: str | Path, spec: ModelSpec | None = None, *, dtype: torch.
                device: torch.device | str = "cpu", quant: str | None = None,
                group_size: int = 128) -> LlamaForCausalLM:
     """Model from a HF checkpoint directory (config.json + *.safetensors); dtype defaults to the spec's."""
-    _check_quant(quant)
+    check_choice(quant or "none", "quant", QUANT_MODES)
     spec = spec or ModelSpec.from_pretrained(path)
     model = LlamaForCausalLM(spec, dtype, device)
     load_weights(model, path)
@@ -134,7 +130,7 @@ def random_model(spec: ModelSpec, *, seed: int = 0, dtype: torch.dtype | None = 
                  device: torch.device | str = "cpu", quant: str | None = None,
                  group_size: int = 128) -> LlamaForCausalLM:
     """Model of ``spec``'s shape with seeded random weights (e.g. to time an 8B model without its weights)."""
-    _check_quant(quant)
+    check_choice(quant or "none", "quant", QUANT_MODES)
     model = LlamaForCausalLM(spec, dtype, device)
     init_random(model, seed)
     return _finish(model, quant, group_size)

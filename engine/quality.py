@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from core.checks import check_int
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, allocate_kv_caches
 from engine.loader import QUANT_MODES, build_model, load_model
@@ -189,8 +190,7 @@ def compare(reference: LlamaForCausalLM, candidate: LlamaForCausalLM, prompts: S
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], spec: ModelSpec, new_tokens: int) -> None:
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"quality.new_tokens={new_tokens!r}; allowed: an integer >= 1")
+    check_int(new_tokens, "quality.new_tokens", 1)
     if not prompts:
         raise ValueError("quality: the prompt set is empty")
     for i, p in enumerate(prompts):

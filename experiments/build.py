@@ -6,15 +6,20 @@ the one place that knows both backends: sim/ and engine/ never import each other
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from core import arithmetic
-from core.interfaces import Executor
+from core.checks import check_bool, check_choice, check_int
+from core.interfaces import Executor, Workload
 from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
@@ -43,9 +48,7 @@ def kv_bits(cfg: DictConfig) -> int:
     """KV element width both backends assume: 8 with an int8 KV cache (plus its float32 scales, which
     ``core.arithmetic`` counts), else 16 (the model dtype's width)."""
     if cfg.backend.name == "engine":
-        kv_dtype = cfg.backend.get("kv_dtype") or "auto"
-        if kv_dtype not in arithmetic.KV_DTYPE_BITS:
-            raise ValueError(f"backend.kv_dtype={kv_dtype!r}; allowed: {list(arithmetic.KV_DTYPE_BITS)}")
+        kv_dtype = check_choice(cfg.backend.get("kv_dtype") or "auto", "backend.kv_dtype", arithmetic.KV_DTYPE_BITS)
         return arithmetic.kv_bits_of(kv_dtype)
     return int(cfg.cost_model.get("kv_bits", 16))
 
@@ -65,16 +68,14 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
     Bytes are what the engine stores (``core.arithmetic``): int8 KV with its float32 scales, W4 weights with a
     scale and zero point per group, and on the engine backend in ``backend.dtype`` when it overrides the model's."""
     kv = cfg.kv
-    if _int(kv, "block_size", "kv") < 1:
-        raise ValueError(f"kv.block_size must be >= 1, got {kv.block_size}")
+    block_size = check_int(kv.block_size, "kv.block_size", 1, whole_float=True)
     if kv.num_blocks is not None:
-        return _int(kv, "num_blocks", "kv")
+        return check_int(kv.num_blocks, "kv.num_blocks", whole_float=True)
     dtype = cfg.backend.get("dtype") if cfg.backend.name == "engine" else None
     if dtype and dtype != spec.dtype:  # the engine allocates KV (and keeps weights) in backend.dtype
-        if dtype not in arithmetic.DTYPE_BYTES:
-            raise ValueError(f"backend.dtype={dtype!r}; allowed: {list(arithmetic.DTYPE_BYTES)}")
+        check_choice(dtype, "backend.dtype", arithmetic.DTYPE_BYTES)
         spec = ModelSpec.from_mapping({**spec.to_dict(), "dtype": dtype})
-    per_block = arithmetic.kv_bytes_per_block(spec, kv.block_size, kv_bits(cfg))
+    per_block = arithmetic.kv_bytes_per_block(spec, block_size, kv_bits(cfg))
     budget = kv.memory_bytes
     if budget is None:
         weights = arithmetic.weight_bytes(spec, *weight_format(cfg))
@@ -82,7 +83,7 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
         if budget <= 0:
             raise ValueError(f"model {spec.name} ({weights / 1e9:.1f} GB of weights) does not "
                              f"fit hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
-    blocks = arithmetic.num_blocks_for_memory(spec, kv.block_size, budget, kv_bits(cfg))
+    blocks = arithmetic.num_blocks_for_memory(spec, block_size, budget, kv_bits(cfg))
     if blocks < 1:
         raise ValueError(f"kv.memory_bytes={budget:.3g} holds no block of {per_block:.3g} bytes")
     return blocks
@@ -101,8 +102,70 @@ def instantiate_group(node: DictConfig, group: str, **kwargs) -> Any:
         raise ValueError(f"{group} config has no _target_; choose one of conf/{group}/*.yaml or set {group}._target_")
     try:
         return instantiate(node, **kwargs)
-    except Exception as e:  # Hydra wraps import errors; restate with the key to fix
-        raise ValueError(f"cannot instantiate {group}._target_={node._target_!r}: {e}") from e
+    except Exception as e:  # Hydra wraps what the target raised; restate it with the key to fix
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+        where = f"{group}._target_={node._target_!r}"
+        if isinstance(cause, TypeError):
+            raise ValueError(_argument_error(group, node, str(cause))) from e
+        if isinstance(cause, ValueError):  # the target's own check, which names its key
+            raise ValueError(f"{where}: {cause}") from e
+        raise ValueError(f"cannot instantiate {where}: {cause}") from e
+
+
+def _argument_error(group: str, node: DictConfig, message: str) -> str:
+    """Python's TypeError for a call with a bad argument (it names the argument), as a config error: an unknown
+    key or missing required keys of ``group``, with the keys the target takes."""
+    target = node._target_
+    try:
+        params = inspect.signature(get_object(target)).parameters.values()
+        keys = sorted(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    except Exception:  # no signature to show
+        keys = None
+    allowed = f"; allowed: {keys}" if keys is not None else ""
+    if m := re.search(r"unexpected keyword argument '(\w+)'", message):
+        return f"{group}.{m[1]}: unknown key for {target}{allowed}"
+    if m := re.search(r"missing \d+ required (?:keyword-only |positional )?arguments?: (.*)", message):
+        missing = re.findall(r"'(\w+)'", m[1])
+        return f"{group}: missing required keys {missing} for {target}"
+    if "takes no arguments" in message:
+        given = sorted(str(k) for k in node if not str(k).startswith("_"))
+        return f"{group}: unknown keys {given} for {target}, which takes none"
+    return f"{group} ({target}): {message}{allowed}"
+
+
+def build_workload(node: DictConfig | Mapping[str, Any]) -> Workload:
+    """The workload a config describes (``conf/workload``), through Hydra's instantiate like every group: lists and
+    dicts reach the class as plain Python containers. A workload config nested in another (the parts of
+    ``core.workload.combinators.Mix``, the inner workload of ``Window``) is instantiated as a partial
+    (``_partial_: true`` unless it says otherwise): its parent calls it, supplying defaults such as a part's seed."""
+    if not OmegaConf.is_config(node):
+        if not isinstance(node, Mapping):
+            raise ValueError(f"workload config must be a mapping with _target_, got {type(node).__name__}")
+        node = OmegaConf.create(dict(node))
+    try:
+        tree = OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        key = e.full_key if e.full_key.startswith("workload") else f"workload.{e.full_key}"
+        raise ValueError(f"{key} is required (???): set it") from e
+    except Exception as e:  # a broken interpolation
+        raise ValueError(f"workload config: {e}") from e
+    wl = instantiate_group(OmegaConf.create(_nested_partial(tree, nested=False)), "workload", _convert_="all")
+    if not isinstance(wl, Workload):
+        raise ValueError(f"workload._target_={tree['_target_']} does not implement Workload "
+                         "(initial() and on_finish(state, now))")
+    return wl
+
+
+def _nested_partial(tree: Any, nested: bool) -> Any:
+    """Mark every ``_target_`` mapping below the top one ``_partial_: true`` (where it does not set it)."""
+    if isinstance(tree, dict):
+        out = {k: _nested_partial(v, True) for k, v in tree.items()}
+        if nested and "_target_" in out:
+            out.setdefault("_partial_", True)
+        return out
+    if isinstance(tree, list):
+        return [_nested_partial(v, True) for v in tree]
+    return tree
 
 
 def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Replica]:
@@ -112,39 +175,24 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
         raise ValueError(f"scheduler config lacks {missing}")
     # Sim-vs-engine comparisons generate exactly each request's output length; an engine run may stop at EOS.
     stop_at_eos = cfg.backend.name == "engine" and not cfg.backend.get("ignore_eos", True)
-    timeout = cfg.request_timeout_s
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
-        raise ValueError(f"request_timeout_s must be a number of seconds or null, got {timeout!r}")
-    limits = SchedulerLimits(max_num_batched_tokens=_int(sched, "max_num_batched_tokens", "scheduler"),
-                             max_num_seqs=_int(sched, "max_num_seqs", "scheduler"), max_model_len=spec.max_model_len,
-                             request_timeout_s=timeout, vocab_size=spec.vocab_size,
+    budget, seqs = (check_int(sched[k], f"scheduler.{k}", whole_float=True) for k in LIMIT_KEYS)
+    limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=spec.max_model_len,
+                             request_timeout_s=cfg.request_timeout_s, vocab_size=spec.vocab_size,
                              eos_token_ids=frozenset(spec.eos_token_ids), ignore_eos=not stop_at_eos)
-    n = _int(cfg, "replicas")
-    if n < 1:
-        raise ValueError(f"replicas must be >= 1, got {n}")
-    if not isinstance(cfg.kv.prefix_caching, bool):
-        raise ValueError(f"kv.prefix_caching must be true or false, got {cfg.kv.prefix_caching!r}")
-    sched_node, block_size = _without(sched, LIMIT_KEYS), _int(cfg.kv, "block_size", "kv")
+    n = check_int(cfg.replicas, "replicas", 1, whole_float=True)
+    check_bool(cfg.kv.prefix_caching, "kv.prefix_caching")
+    sched_node, block_size = _without(sched, LIMIT_KEYS), check_int(cfg.kv.block_size, "kv.block_size", 1,
+                                                                    whole_float=True)
     return [Replica(i, instantiate_group(sched_node, "scheduler"),
                     KVCacheManager(num_blocks, block_size, instantiate_group(cfg.eviction, "eviction"),
                                    cfg.kv.prefix_caching), limits)
             for i in range(n)]
 
 
-def _int(node: DictConfig, key: str, section: str = "") -> int:
-    """An integer config value; 1.5 or "abc" fail naming the key instead of being truncated or crashing later."""
-    v = node[key]
-    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
-        raise ValueError(f"{section + '.' if section else ''}{key} must be an integer, got {v!r}")
-    return int(v)
-
-
 def engine_clock(cfg: DictConfig) -> str:
     """The stopwatch of engine steps (``engine.executor.STOPWATCHES``): ``engine_clock`` wall | thread, or auto
     (thread for the CPU engine on one torch thread, else wall). thread needs that CPU setting."""
-    clock = cfg.get("engine_clock", "auto") or "auto"
-    if clock not in ENGINE_CLOCKS:
-        raise ValueError(f"engine_clock={clock!r}; allowed: {list(ENGINE_CLOCKS)}")
+    clock = check_choice(cfg.get("engine_clock", "auto") or "auto", "engine_clock", ENGINE_CLOCKS)
     b = cfg.backend
     one_cpu_thread = b.get("device", "cpu") == "cpu" and b.get("num_threads") == 1
     if clock == "auto":
@@ -164,10 +212,10 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
         cost = instantiate_group(cfg.cost_model, "cost_model")
         return [CostModelExecutor(cost) for _ in replicas]
     if name == "engine":
-        from engine.executor import build_engine_executors
+        from engine.executor import EngineOptions, build_engine_executors
 
-        backend = OmegaConf.to_container(cfg.backend, resolve=True)
-        return build_engine_executors(spec, backend, [r.kv for r in replicas], seed=int(cfg.seed),
+        options = EngineOptions.from_mapping(OmegaConf.to_container(cfg.backend, resolve=True))
+        return build_engine_executors(spec, options, [r.kv for r in replicas], seed=int(cfg.seed),
                                       clock=engine_clock(cfg))
     raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
 
@@ -185,8 +233,6 @@ def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
                replicas: list[Replica] | None = None) -> ServingLoop:
     """The serving loop for ``cfg``: its replicas, router and workload, with executors from the backend (or from
     ``make_executors(replicas)``, e.g. a replay of recorded step times)."""
-    from core.workload import build_workload
-
     if replicas is None:
         replicas = replicas_for(cfg)
     executors = make_executors(replicas) if make_executors else build_executors(cfg, model_spec(cfg), replicas)

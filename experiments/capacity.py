@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from core.checks import check_float, check_fraction, check_int
+from experiments.build import CONF_DIR
 from experiments.overrides import apply_overrides
 from experiments.runs import run
 
@@ -50,24 +51,17 @@ class CapacityResult:
                 "probes": [asdict(p) for p in self.probes]}
 
 
-def _positive(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
-        raise ValueError(f"capacity.{name}={v!r}; allowed: a finite number > 0")
-    return float(v)
-
-
 def find_capacity(measure: Callable[[float], Mapping[str, Any]], target: float = 0.9, low: float = 1.0,
                   high: float = 2.0, max_expansions: int = 8, iterations: int = 8,
                   rel_tol: float = 0.02) -> CapacityResult:
     """Search with ``measure(rate) -> metrics`` (``slo_attainment``, ``goodput_rps``, ...)."""
-    if not 0 < target <= 1:
-        raise ValueError(f"capacity.target={target!r}; allowed: a number in (0, 1]")
-    low, high, rel_tol = _positive("low", low), _positive("high", high), _positive("rel_tol", rel_tol)
+    check_fraction(target, "capacity.target")
+    low, high, rel_tol = (check_float(v, f"capacity.{k}", 0.0, strict=True)
+                          for k, v in (("low", low), ("high", high), ("rel_tol", rel_tol)))
     if not low < high:
         raise ValueError(f"capacity.low={low} must be < capacity.high={high}")
-    for name, v in (("max_expansions", max_expansions), ("iterations", iterations)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"capacity.{name}={v!r}; allowed: an integer >= 0")
+    check_int(max_expansions, "capacity.max_expansions", 0)
+    check_int(iterations, "capacity.iterations", 0)
     result = CapacityResult(None, False, target)
     seen: dict[float, bool] = {}
 
@@ -133,7 +127,7 @@ def capacity(cfg: DictConfig, out_dir: str | Path) -> CapacityResult:
 
     window = c.get("duration_s")
     if window is not None:
-        _positive("duration_s", window)
+        check_float(window, "capacity.duration_s", 0.0, strict=True)
 
     def measure(rate: float) -> Mapping[str, Any]:
         extra = [f"{c.rate_key}={rate!r}"]
@@ -161,7 +155,7 @@ def describe(result: CapacityResult) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf", config_name="capacity", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="capacity", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     result = capacity(cfg, out)

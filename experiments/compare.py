@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from core.output import read_metrics
-from experiments.build import hardware_spec, model_spec
+from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
 from experiments.interleave import run_interleaved
 from experiments.overrides import apply_overrides, with_backend, with_calibration
@@ -211,7 +211,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="compare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     summary = compare(cfg, out)

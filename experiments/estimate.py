@@ -15,18 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from core import arithmetic as ar
 from core.batch import StepFeatures
+from core.checks import check_bool, check_fraction, check_int, check_keys
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost.base import as_hardware_spec, as_model_spec, check_keys, decode_features, prefill_features
+from experiments.build import CONF_DIR
+from sim.cost.base import as_hardware_spec, as_model_spec, decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 
 ESTIMATE_KEYS = ("batch_sizes", "context", "prefill_len", "memory_fraction", "json")
 ROOFLINE_KEYS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
-
-
-def _positive_int(key: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"estimate.{key}={v!r}; allowed: an integer >= 1")
-    return v
 
 
 def _step(lower: RooflineCostModel, est: RooflineCostModel, f: StepFeatures, tokens: int) -> dict[str, Any]:
@@ -63,12 +59,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ValueError(f"estimate.batch_sizes={batch_sizes!r}; allowed: a non-empty list of integers >= 1")
     for b in batch_sizes:
-        _positive_int("batch_sizes", b)
-    _positive_int("context", context)
-    _positive_int("prefill_len", prefill_len)
-    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, int | float) \
-            or not 0 < memory_fraction <= 1:
-        raise ValueError(f"estimate.memory_fraction={memory_fraction!r}; allowed: a number in (0, 1]")
+        check_int(b, "estimate.batch_sizes", 1)
+    check_int(context, "estimate.context", 1)
+    check_int(prefill_len, "estimate.prefill_len", 1)
+    check_fraction(memory_fraction, "estimate.memory_fraction")
     est = RooflineCostModel(model, hardware, compute_eff=compute_eff, bw_eff=bw_eff, overhead_s=overhead_s,
                             weight_bits=weight_bits, kv_bits=kv_bits, group_size=group_size, tp=tp)
     m, hw = est.model, est.hardware
@@ -151,8 +145,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """The estimate for a composed ``estimate`` config (what ``main`` prints)."""
     opts = OmegaConf.to_container(cfg.estimate, resolve=True)
     check_keys("estimate", opts, ESTIMATE_KEYS)
-    if not isinstance(opts.get("json", False), bool):
-        raise ValueError(f"estimate.json={opts['json']!r}; allowed: true, false")
+    check_bool(opts.get("json", False), "estimate.json")
     cm = OmegaConf.to_container(cfg.cost_model, resolve=True)
     target = cm.pop("_target_", None)
     if not target or not issubclass(get_class(target), RooflineCostModel):
@@ -164,7 +157,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return estimate(as_model_spec(cfg.model), as_hardware_spec(cfg.hardware), **cm, **opts)
 
 
-@hydra.main(config_path="../conf", config_name="estimate", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="estimate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     result = run(cfg)
     print(json.dumps(result) if cfg.estimate.get("json", False) else format_table(result))

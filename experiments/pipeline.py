@@ -23,6 +23,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.build import CONF_DIR
 from experiments.compare import compare, errors_markdown
 from experiments.overrides import apply_overrides
 
@@ -132,7 +133,7 @@ def pipeline(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     return result
 
 
-@hydra.main(config_path="../conf", config_name="pipeline", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     if not OmegaConf.select(cfg, "pipeline"):

@@ -15,15 +15,34 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from core.specs import HardwareSpec, ModelSpec
+from experiments.build import CONF_DIR
 from experiments.plots import COLORS, figure
-from sim.published import READERS, check
+from sim.published import READERS, Specs, check
+
+
+def conf_spec(group: str, name: str, conf_dir: Path = CONF_DIR) -> dict[str, Any]:
+    """A ``conf/model`` or ``conf/hardware`` entry (read with OmegaConf: YAML 1.1 loaders read 312.0e12 as text)."""
+    path = conf_dir / group / f"{name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {group} config {name!r} ({path})")
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def conf_specs(conf_dir: Path = CONF_DIR) -> Specs:
+    """The published-data readers' specs from ``conf/model`` and ``conf/hardware``."""
+    return Specs(model=lambda name: ModelSpec.from_mapping(conf_spec("model", name, conf_dir)),
+                 hardware=lambda name: HardwareSpec.from_mapping(conf_spec("hardware", name, conf_dir)))
 
 
 def run(out: Path, data_dir: Path | None = None, sources: Sequence[str] = tuple(READERS),
         folds: int = 5) -> dict[str, Any]:
     """Check every source; write the JSON, markdown table and scatter plot into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    results = {s: check(s, data_dir, folds) for s in sources}
+    specs = conf_specs()
+    results = {s: check(s, specs, data_dir, folds) for s in sources}
     scatter(results, out / "published_scatter.png")
     points_free = {s: {**r, "setups": [{k: v for k, v in x.items() if k != "points"} for x in r["setups"]]}
                    for s, r in results.items()}

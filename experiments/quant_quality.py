@@ -16,10 +16,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from core.checks import check_choice, check_keys
 from core.specs import ModelSpec
 from engine.executor import resolve_kernels
 from engine.quality import QualityReport, QuantSetting, load_prompts, quality_report, synthetic_prompts
-from experiments.build import model_spec
+from experiments.build import CONF_DIR, model_spec
 
 GROUP_CANDIDATES = (128, 64, 32, 16)  # multiples of 16: what the Triton W4A16 GEMM accepts
 QUALITY_KEYS = ("num_prompts", "prompt_len", "new_tokens", "prompts_file", "seed")
@@ -64,16 +65,12 @@ def settings(cfg: DictConfig, group_size: int) -> list[QuantSetting]:
 
 def model_dtype(cfg: DictConfig, spec: ModelSpec) -> torch.dtype:
     name = cfg.backend.get("dtype") or spec.dtype
-    if name not in DTYPES:
-        raise ValueError(f"backend.dtype={name!r}; allowed: {list(DTYPES)}")
-    return DTYPES[name]
+    return DTYPES[check_choice(name, "backend.dtype", DTYPES)]
 
 
 def prompts(cfg: DictConfig, spec: ModelSpec) -> list[list[int]]:
     q = OmegaConf.to_container(cfg.quality, resolve=True)
-    unknown = sorted(set(q) - set(QUALITY_KEYS))
-    if unknown:
-        raise ValueError(f"quality: unknown keys {unknown}; allowed: {list(QUALITY_KEYS)}")
+    check_keys("quality", q, QUALITY_KEYS)
     if q.get("prompts_file"):
         return load_prompts(q["prompts_file"], spec.path)
     return synthetic_prompts(spec.vocab_size, int(q["num_prompts"]), int(q["prompt_len"]), int(q["seed"]))
@@ -96,7 +93,7 @@ def write(report: QualityReport, out_dir: str | Path) -> Path:
     return report.write(out / "quality.json")
 
 
-@hydra.main(config_path="../conf", config_name="quant_study", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="quant_study", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.backend.get("num_threads"):
         torch.set_num_threads(int(cfg.backend.num_threads))

@@ -32,11 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from core import arithmetic as ar
 from core.batch import StepFeatures
+from core.checks import check_int, check_keys
 from core.kv_cache import KVCacheManager
 from core.shapes import ShapedBatch, shape_blocks
 from core.specs import HardwareSpec, ModelSpec
 from engine.attention import allocate_kv_caches
-from engine.executor import EngineExecutor, build_engine_executors, resolve_kernels
+from engine.executor import EngineExecutor, EngineOptions, build_engine_executors, resolve_kernels
 from engine.quality import QuantSetting
 from experiments.build import CONF_DIR, hardware_spec, model_spec, num_kv_blocks
 from experiments.quant_quality import effective, model_dtype, resolve_group_size, run_quality, settings
@@ -62,8 +63,7 @@ def sweeps(s: Mapping[str, Any]) -> dict[str, list[Shape]]:
         if not v or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
             raise ValueError(f"study.{key}={v!r}; allowed: a non-empty list of integers >= 1")
     for key in ("batch_context", "context_batch"):
-        if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < 1:
-            raise ValueError(f"study.{key}={s[key]!r}; allowed: an integer >= 1")
+        check_int(s[key], f"study.{key}", 1)
     if min(s["contexts"] + [s["batch_context"]]) < 2:
         raise ValueError("study contexts must be >= 2 (a decode attends to at least one earlier token)")
     return {"batch": [(b, s["batch_context"]) for b in s["batch_sizes"]],
@@ -80,7 +80,8 @@ def quant_bits(q: QuantSetting) -> dict[str, int]:
 
 def _executor(spec: ModelSpec, backend: Mapping[str, Any], q: QuantSetting, num_blocks: int, block_size: int,
               seed: int) -> EngineExecutor:
-    b = {**backend, "quant": q.quant, "quant_group_size": q.group_size, "kv_dtype": q.kv_dtype}
+    b = EngineOptions.from_mapping({**backend, "quant": q.quant, "quant_group_size": q.group_size,
+                                    "kv_dtype": q.kv_dtype})
     ex = build_engine_executors(spec, b, [KVCacheManager(num_blocks, block_size, LRUEviction(), False)], seed)[0]
     for c in ex.runner.kv_caches:  # defined contents (no stray NaN / denormal bit patterns) in the context KV
         for t in (c.k, c.v, c.k_scale, c.v_scale):
@@ -135,9 +136,7 @@ def _speedups(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
 def gpu_prediction(cfg: DictConfig, quants: Sequence[QuantSetting]) -> dict[str, Any]:
     """Roofline decode times / speed-ups and KV capacity of a 7B/8B-class model on a GPU (prediction only)."""
     g = OmegaConf.to_container(cfg.study.gpu, resolve=True)
-    unknown = sorted(set(g) - set(GPU_KEYS))
-    if unknown:
-        raise ValueError(f"study.gpu: unknown keys {unknown}; allowed: {list(GPU_KEYS)}")
+    check_keys("study.gpu", g, GPU_KEYS)
     paths = {k: CONF_DIR / k / f"{g[k]}.yaml" for k in ("model", "hardware")}
     for k, p in paths.items():
         if not p.is_file():
@@ -202,9 +201,7 @@ def _engine_block_bytes(spec: ModelSpec, block_size: int, dtype, kv_dtype: str) 
 
 def _check_study(cfg: DictConfig) -> dict[str, Any]:
     s = OmegaConf.to_container(cfg.study, resolve=True)
-    unknown = sorted(set(s) - set(STUDY_KEYS))
-    if unknown:
-        raise ValueError(f"study: unknown keys {unknown}; allowed: {list(STUDY_KEYS)}")
+    check_keys("study", s, STUDY_KEYS)
     return s
 
 
@@ -403,7 +400,7 @@ def summary(r: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf", config_name="quant_study", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="quant_study", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     study(cfg, out)

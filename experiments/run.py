@@ -10,10 +10,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from experiments.build import CONF_DIR
 from experiments.runs import run
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
     metrics = run(cfg, out_dir)

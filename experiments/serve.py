@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from core.loop import RunResult, ServingLoop
 from core.realtime import RealTimeClock
 from core.request import SamplingParams
-from experiments.build import build_executors, instantiate_group, model_spec, replicas_for
+from experiments.build import CONF_DIR, build_executors, instantiate_group, model_spec, replicas_for
 from experiments.runs import write_run_dir
 from experiments.server.app import OpenAIServer, ServerSettings, drain
 from experiments.server.bridge import LoopThread, NoArrivals
@@ -108,7 +108,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> None:
                 shutdown_timeout=_positive(cfg, "drain_timeout_s"), print=None, access_log=None)
 
 
-@hydra.main(config_path="../conf", config_name="serve", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="serve", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     serve(cfg, HydraConfig.get().runtime.output_dir)
 

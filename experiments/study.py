@@ -16,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from core.checks import check_choice
 from experiments.build import CONF_DIR
 from experiments.runs import save_config
 from experiments.studies.common import scaled
@@ -28,8 +29,7 @@ def studies() -> list[str]:
 def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
     """Run the study ``cfg.study.name`` into ``out_dir``; returns the path of its summary.md."""
     name = cfg.study.get("name")
-    if name not in studies():
-        raise ValueError(f"study.name={name!r}; allowed: {studies()}")
+    check_choice(name, "study.name", studies())
     cfg = scaled(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
     return report.write(out, header)
 
 
-@hydra.main(config_path="../conf", config_name="study", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="study", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     path = run_study(cfg, HydraConfig.get().runtime.output_dir)
     print(path.read_text())

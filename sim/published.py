@@ -18,6 +18,9 @@ per source turns rows into ``Dataset``s, one per measured setup (model, GPU, ten
   in ms: prefill = a + b·Σlen + c·Σlen², decode = a + b·Σcontext + c·batch (a second triple above 95 sequences),
   for OPT-13B/66B on its own engine and on vLLM. We evaluate them on DistServe's profiling grid (batch sizes ×
   input lengths within its token limits) to make comparison points; they check shape trends, not raw noise.
+
+Setups run on the repository's model and hardware configs (``conf/model``, ``conf/hardware``); the caller reads them
+(``experiments.published.conf_specs``) and passes them in as ``Specs``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from core import arithmetic as ar
 from core.batch import StepFeatures
@@ -90,10 +92,13 @@ def default_data_dir() -> Path:
     raise FileNotFoundError(f"no shared/data/gpu-measurements under {REPO} or {REPO.parent}")
 
 
-def conf_spec(group: str, name: str) -> ModelSpec | HardwareSpec:
-    """A ``conf/model`` or ``conf/hardware`` entry (read with OmegaConf: YAML 1.1 loaders read 312.0e12 as text)."""
-    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / group / f"{name}.yaml"))
-    return (ModelSpec if group == "model" else HardwareSpec).from_mapping(cfg)
+@dataclass(frozen=True)
+class Specs:
+    """Where setups get their model and hardware specs: by config name (``conf/model/<name>.yaml``,
+    ``conf/hardware/<name>.yaml``), read by the caller (``experiments.published.conf_specs``)."""
+
+    model: Callable[[str], ModelSpec]
+    hardware: Callable[[str], HardwareSpec]
 
 
 @dataclass
@@ -138,7 +143,7 @@ def _token_bucket(t: int) -> str:
     return "<=64 tokens" if t <= 64 else "65-512 tokens" if t <= 512 else ">512 tokens"
 
 
-def read_vidur(data_dir: Path) -> Loaded:
+def read_vidur(data_dir: Path, specs: Specs) -> Loaded:
     """``vidur/<gpu>/<model>/mlp.csv`` -> one dataset per (gpu, model, tp); only the linear operators."""
     out, skipped = [], {}
     for path in sorted((data_dir / "vidur").glob("*/*/mlp.csv")):
@@ -152,7 +157,7 @@ def read_vidur(data_dir: Path) -> Loaded:
                          num_heads=int(r0["n_head"]), num_kv_heads=int(r0["n_kv_head"]),
                          head_dim=int(r0["n_embd"]) // int(r0["n_head"]), intermediate_size=int(r0["n_expanded_embd"]),
                          vocab_size=int(r0["vocab_size"]), dtype="float16")
-        hw = conf_spec("hardware", gpu)
+        hw = specs.hardware(gpu)
         for tp in sorted({int(r["num_tensor_parallel_workers"]) for r in rows}):
             sel = [r for r in rows if int(r["num_tensor_parallel_workers"]) == tp]
             tokens = [int(r["num_tokens"]) for r in sel]
@@ -175,7 +180,7 @@ def _kv_fits(model: ModelSpec, hw: HardwareSpec, tp: int, batch: int, context: i
     return batch <= ar.max_concurrent_seqs(model, budget, context, tp=tp)
 
 
-def read_splitwise(data_dir: Path) -> Loaded:
+def read_splitwise(data_dir: Path, specs: Specs) -> Loaded:
     """``splitwise-sim/perf_model.csv`` -> one dataset per (model, hardware, tp); two points per row.
 
     Rows whose batch cannot fit in KV memory (Llama-2-70B at TP-2 on 80 GB parts, 32+ sequences of 640 tokens)
@@ -190,9 +195,9 @@ def read_splitwise(data_dir: Path) -> Loaded:
         groups.setdefault((r["model"], r["hardware"], int(r["tensor_parallel"])), []).append(r)
     out = []
     for (model, hardware, tp), rows in sorted(groups.items()):
-        hw = conf_spec("hardware", SPLITWISE_HARDWARE[hardware])
+        hw = specs.hardware(SPLITWISE_HARDWARE[hardware])
         hw = replace(hw, name=hardware) if hardware != hw.name else hw
-        model_spec = conf_spec("model", SPLITWISE_MODELS[model])
+        model_spec = specs.model(SPLITWISE_MODELS[model])
         feats, secs, labels = [], [], []
         for r in rows:
             p, b, n = int(r["prompt_size"]), int(r["batch_size"]), int(r["token_size"])
@@ -208,7 +213,7 @@ def read_splitwise(data_dir: Path) -> Loaded:
     return out, skipped
 
 
-def read_sarathi(data_dir: Path) -> Loaded:
+def read_sarathi(data_dir: Path, specs: Specs) -> Loaded:
     """Sarathi-Serve figure 2 (prefill, decode) and figure 9 (chunked prefill) -> one dataset (Yi-34B, TP-2)."""
     d = data_dir / "sarathi-serve-osdi24"
     feats: list[Measurement] = []
@@ -227,7 +232,7 @@ def read_sarathi(data_dir: Path) -> Loaded:
         feats.append(tuple(prefill_features(min(chunk, length - s), s) for s in range(0, length, chunk)))
         secs.append(float(r["prefill_execution_time"]) * MS)
         labels.append("chunked prefill" if chunk < length else "prefill")
-    hw = replace(conf_spec("hardware", "a100"), name="a100-pcie", mem_bw=A100_PCIE_MEM_BW)
+    hw = replace(specs.hardware("a100"), name="a100-pcie", mem_bw=A100_PCIE_MEM_BW)
     return [Dataset("sarathi-serve", "sarathi-serve yi-34b-200k a100-pcie tp2", YI_34B_200K, hw, 2, feats, secs,
                     labels)], skipped
 
@@ -239,10 +244,10 @@ def _distserve_limits(data_dir: Path) -> dict[tuple[str, int], int]:
     return {**limits, **DISTSERVE_TOKEN_LIMITS}
 
 
-def read_distserve(data_dir: Path) -> Loaded:
+def read_distserve(data_dir: Path, specs: Specs) -> Loaded:
     """``distserve/profiler-a100-80g.{distserve,vllm}.json`` -> one dataset per (engine, model, tp), derived."""
     limits, out, skipped = _distserve_limits(data_dir), [], {}
-    hw = conf_spec("hardware", "a100")
+    hw = specs.hardware("a100")
     for engine in ("distserve", "vllm"):
         profile = json.loads((data_dir / "distserve" / f"profiler-a100-80g.{engine}.json").read_text())
         for model, per_tp in profile.items():
@@ -275,14 +280,14 @@ def read_distserve(data_dir: Path) -> Loaded:
     return out, skipped
 
 
-READERS: dict[str, Callable[[Path], Loaded]] = {"vidur": read_vidur, "splitwise": read_splitwise,
-                                                "sarathi-serve": read_sarathi, "distserve": read_distserve}
+READERS: dict[str, Callable[[Path, Specs], Loaded]] = {"vidur": read_vidur, "splitwise": read_splitwise,
+                                                       "sarathi-serve": read_sarathi, "distserve": read_distserve}
 
 
-def load(source: str, data_dir: str | Path | None = None) -> Loaded:
+def load(source: str, specs: Specs, data_dir: str | Path | None = None) -> Loaded:
     if source not in READERS:
         raise ValueError(f"source={source!r}; allowed: {sorted(READERS)}")
-    return READERS[source](Path(data_dir) if data_dir is not None else default_data_dir())
+    return READERS[source](Path(data_dir) if data_dir is not None else default_data_dir(), specs)
 
 
 def _priced(roofline: RooflineCostModel, ds: Dataset):
@@ -323,10 +328,10 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
     return out
 
 
-def check(source: str, data_dir: str | Path | None = None, folds: int = 5) -> dict[str, Any]:
+def check(source: str, specs: Specs, data_dir: str | Path | None = None, folds: int = 5) -> dict[str, Any]:
     """Every setup of one source: ``check_dataset`` results, which rows were skipped and why, and a summary pooling
     all rows of the source (each setup priced by its own fitted roofline)."""
-    datasets, skipped = load(source, data_dir)
+    datasets, skipped = load(source, specs, data_dir)
     setups = [check_dataset(ds, folds) for ds in datasets]
     meas = np.concatenate([x["points"]["measured"] for x in setups])
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from core.workload.base import check_float, check_int, kind_spec
+from core.checks import check_float, check_int
+from core.workload.base import kind_spec
 from core.workload.traces import read_trace
 
 _CHUNK = 1024
@@ -72,13 +73,13 @@ def make_arrivals(spec: Mapping[str, Any], key: str = "arrival") -> Arrivals:
     if kind == "trace":
         if "path" not in spec:
             raise ValueError(f"workload.{key}.path is required for kind trace")
-        scale = check_float(spec.get("time_scale", 1.0), f"{key}.time_scale", 0.0, strict=True)
+        scale = check_float(spec.get("time_scale", 1.0), f"workload.{key}.time_scale", 0.0, strict=True)
         limit = spec.get("limit")
-        limit = None if limit is None else check_int(limit, f"{key}.limit", 1)
+        limit = None if limit is None else check_int(limit, f"workload.{key}.limit", 1)
         ts = sorted(r.arrival_s for r in read_trace(spec["path"], limit))
         if not ts:
             raise ValueError(f"workload.{key}.path={spec['path']!r}: no rows")
         return TraceArrivals(tuple((t - ts[0]) * scale for t in ts))
-    rate = check_float(spec.get("rate_rps"), f"{key}.rate_rps", 0.0, strict=True)
-    cv = check_float(spec.get("cv", 1.0), f"{key}.cv", 0.0, strict=True)
+    rate = check_float(spec.get("rate_rps"), f"workload.{key}.rate_rps", 0.0, strict=True)
+    cv = check_float(spec.get("cv", 1.0), f"workload.{key}.cv", 0.0, strict=True)
     return RenewalArrivals(kind, rate, cv)

@@ -1,4 +1,4 @@
-"""Helpers every workload shares: seeded streams, config checks, path resolution, content ids, tenants."""
+"""Helpers every workload shares: seeded streams, stop bounds, path resolution, content ids, tenants."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from core.checks import check_choice, check_float, check_int, check_keys
 from core.request import RequestState
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory that contains core/
@@ -23,25 +24,6 @@ def rng(seed: int, *stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, *stream])
 
 
-def check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"workload.seed must be an int >= 0, got {seed!r}")
-    return int(seed)
-
-
-def check_int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"workload.{key} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_float(value: Any, key: str, minimum: float = 0.0, strict: bool = False) -> float:
-    ok = isinstance(value, int | float | np.number) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < minimum or (strict and value == minimum):
-        raise ValueError(f"workload.{key} must be a number {'>' if strict else '>='} {minimum}, got {value!r}")
-    return float(value)
-
-
 def check_bound(num_requests: int | None, duration_s: float | None, what: str = "num_requests",
                 required: bool = True) -> None:
     """Open-ended generators need a stop: a count, a duration, or both (whichever comes first).
@@ -49,9 +31,9 @@ def check_bound(num_requests: int | None, duration_s: float | None, what: str = 
     if required and num_requests is None and duration_s is None:
         raise ValueError(f"workload: set {what} or duration_s (or both; whichever is reached first stops it)")
     if num_requests is not None:
-        check_int(num_requests, what, 1)
+        check_int(num_requests, f"workload.{what}", 1)
     if duration_s is not None:
-        check_float(duration_s, "duration_s", 0.0, strict=True)
+        check_float(duration_s, "workload.duration_s", 0.0, strict=True)
 
 
 def plain(obj: Any) -> Any:
@@ -122,9 +104,8 @@ THINK_KINDS = ("fixed", "exponential")
 
 
 def check_think(think_time_s: float, think: str) -> float:
-    if think not in THINK_KINDS:
-        raise ValueError(f"workload.think={think!r}; allowed: {list(THINK_KINDS)}")
-    return check_float(think_time_s, "think_time_s")
+    check_choice(think, "workload.think", THINK_KINDS)
+    return check_float(think_time_s, "workload.think_time_s")
 
 
 def draw_think(g: np.random.Generator, think_time_s: float, think: str) -> float:
@@ -139,10 +120,6 @@ def kind_spec(spec: Any, key: str, kinds: Mapping[str, set[str]], what: str = "a
     if not isinstance(spec, Mapping):
         raise ValueError(f"workload.{key} must be {what} with 'kind' ({sorted(kinds)}), got {spec!r}")
     spec = plain(spec)
-    kind = spec.pop("kind", None)
-    if kind not in kinds:
-        raise ValueError(f"workload.{key}.kind={kind!r}; allowed: {sorted(kinds)}")
-    unknown = sorted(set(spec) - kinds[kind])
-    if unknown:
-        raise ValueError(f"workload.{key}: unknown keys {unknown} for kind {kind}; allowed: {sorted(kinds[kind])}")
+    kind = check_choice(spec.pop("kind", None), f"workload.{key}.kind", sorted(kinds))
+    check_keys(f"workload.{key} (kind {kind})", spec, kinds[kind])
     return kind, spec

@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from core.checks import check_float, check_int
 from core.request import Request, RequestState, Status
 from core.workload.base import (
     OUTPUT,
     PROMPT,
     THINK,
     check_bound,
-    check_float,
-    check_int,
-    check_seed,
     check_think,
     draw_think,
     rng,
@@ -40,15 +38,15 @@ class ClosedLoopWorkload:
                  think: str = "fixed", stagger_s: float = 0.0, warmup_requests: int = 0, num_tenants: int = 1,
                  seed: int = 0) -> None:
         check_bound(num_requests, duration_s)
-        self.num_clients = check_int(num_clients, "num_clients", 1)
+        self.num_clients = check_int(num_clients, "workload.num_clients", 1)
         self.prompt_len = make_length(prompt_len, "prompt_len")
         self.output_len = make_length(output_len, "output_len")
         self.num_requests, self.duration_s = num_requests, duration_s
         self.think_time_s, self.think = check_think(think_time_s, think), think
-        self.stagger_s = check_float(stagger_s, "stagger_s")
-        self.warmup_requests = check_int(warmup_requests, "warmup_requests", 0)
-        self.num_tenants = check_int(num_tenants, "num_tenants", 1)
-        self.seed = check_seed(seed)
+        self.stagger_s = check_float(stagger_s, "workload.stagger_s")
+        self.warmup_requests = check_int(warmup_requests, "workload.warmup_requests", 0)
+        self.num_tenants = check_int(num_tenants, "workload.num_tenants", 1)
+        self.seed = check_int(seed, "workload.seed", 0)
         self._reset()
 
     def _reset(self) -> None:

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from core.workload.base import check_float, check_int, kind_spec, resolve_path
+from core.checks import check_float, check_int
+from core.workload.base import kind_spec, resolve_path
 
 _CHUNK = 1024  # draws per numpy call when streaming
 
@@ -69,21 +70,21 @@ def make_length(spec: Mapping[str, Any] | int, key: str, minimum: int = 1) -> Le
         spec = {"kind": "fixed", "value": int(spec)}
     kind, spec = kind_spec(spec, key, _KEYS, "an int or a dict")
     if kind == "fixed":
-        v = check_int(spec.get("value"), f"{key}.value", minimum)
+        v = check_int(spec.get("value"), f"workload.{key}.value", minimum)
         return LengthDist(kind, v, v, value=v)
     if kind == "uniform":
-        lo = check_int(spec.get("low"), f"{key}.low", minimum)
-        hi = check_int(spec.get("high"), f"{key}.high", lo)
+        lo = check_int(spec.get("low"), f"workload.{key}.low", minimum)
+        hi = check_int(spec.get("high"), f"workload.{key}.high", lo)
         return LengthDist(kind, lo, hi)
-    lo = check_int(spec.get("min", minimum), f"{key}.min", minimum)
+    lo = check_int(spec.get("min", minimum), f"workload.{key}.min", minimum)
     hi = spec.get("max")
-    hi = None if hi is None else check_int(hi, f"{key}.max", lo)
+    hi = None if hi is None else check_int(hi, f"workload.{key}.max", lo)
     if kind == "lognormal":
-        sigma = check_float(spec.get("sigma"), f"{key}.sigma")
+        sigma = check_float(spec.get("sigma"), f"workload.{key}.sigma")
         if ("mean" in spec) == ("median" in spec):
             raise ValueError(f"workload.{key}: lognormal takes exactly one of 'mean' or 'median'")
         centre = "mean" if "mean" in spec else "median"
-        c = check_float(spec[centre], f"{key}.{centre}", 0.0, strict=True)
+        c = check_float(spec[centre], f"workload.{key}.{centre}", 0.0, strict=True)
         # E[X] = exp(mu + sigma^2 / 2); median = exp(mu)
         mu = math.log(c) - (sigma * sigma / 2 if centre == "mean" else 0.0)
         return LengthDist(kind, lo, hi, mu=mu, sigma=sigma)

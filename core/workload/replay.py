@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from core.checks import check_float, check_int
 from core.request import Request
-from core.workload.base import OpenLoop, check_float, check_int, check_seed
+from core.workload.base import OpenLoop
 from core.workload.traces import MOONCAKE_BLOCK, TraceRow, read_azure, read_mooncake, read_request_list
 
 DEFAULT_MOONCAKE = "../shared/data/traces/conversation_trace.jsonl"
@@ -22,9 +23,10 @@ class _Replay(OpenLoop):
 
     def __init__(self, source: str | Path, rows: Iterable[TraceRow], time_scale: float, warmup_requests: int,
                  seed: int, rebase: bool, tokens_per_hash_id: int) -> None:
-        self.time_scale = check_float(time_scale, "time_scale", 0.0, strict=True)
-        self.warmup_requests = check_int(warmup_requests, "warmup_requests", 0)
-        self.seed = check_seed(seed)  # traces are deterministic; accepted so every workload takes the root seed
+        self.time_scale = check_float(time_scale, "workload.time_scale", 0.0, strict=True)
+        self.warmup_requests = check_int(warmup_requests, "workload.warmup_requests", 0)
+        # traces are deterministic; the seed is accepted so every workload takes the root seed
+        self.seed = check_int(seed, "workload.seed", 0)
         self.tokens_per_hash_id = tokens_per_hash_id
         self.rows = sorted(rows, key=lambda r: r.arrival_s)
         if not self.rows:
@@ -63,11 +65,11 @@ class MooncakeTrace(_Replay):
 
     def __init__(self, path: str | Path = DEFAULT_MOONCAKE, limit: int | None = None, time_scale: float = 1.0,
                  length_scale: float = 1.0, warmup_requests: int = 0, seed: int = 0) -> None:
-        length_scale = check_float(length_scale, "length_scale", 0.0, strict=True)
+        length_scale = check_float(length_scale, "workload.length_scale", 0.0, strict=True)
         block = MOONCAKE_BLOCK * length_scale
         if block < 1 or not block.is_integer():
             raise ValueError(f"workload.length_scale={length_scale}: 512 * length_scale must be a whole number >= 1")
-        limit = None if limit is None else check_int(limit, "limit", 1)
+        limit = None if limit is None else check_int(limit, "workload.limit", 1)
         rows = read_mooncake(path, limit)
         if length_scale != 1.0:
             rows = _scaled(rows, length_scale, keep_ids=True)
@@ -79,8 +81,8 @@ class AzureTrace(_Replay):
 
     def __init__(self, path: str | Path = DEFAULT_AZURE, limit: int | None = None, time_scale: float = 1.0,
                  length_scale: float = 1.0, warmup_requests: int = 0, seed: int = 0) -> None:
-        length_scale = check_float(length_scale, "length_scale", 0.0, strict=True)
-        limit = None if limit is None else check_int(limit, "limit", 1)
+        length_scale = check_float(length_scale, "workload.length_scale", 0.0, strict=True)
+        limit = None if limit is None else check_int(limit, "workload.limit", 1)
         rows = read_azure(path, limit)
         if length_scale != 1.0:
             rows = _scaled(rows, length_scale, keep_ids=False)
@@ -92,12 +94,13 @@ class RequestList(_Replay):
 
     def __init__(self, path: str | Path, limit: int | None = None, time_scale: float = 1.0,
                  tokens_per_hash_id: int = 16, warmup_requests: int = 0, seed: int = 0) -> None:
-        tokens_per_hash_id = check_int(tokens_per_hash_id, "tokens_per_hash_id", 1)
-        limit = None if limit is None else check_int(limit, "limit", 1)
+        tokens_per_hash_id = check_int(tokens_per_hash_id, "workload.tokens_per_hash_id", 1)
+        limit = None if limit is None else check_int(limit, "workload.limit", 1)
         rows = list(read_request_list(path, limit, tokens_per_hash_id))
         seen: dict[str, int] = {}
         for r in rows:
             if r.id in seen:
                 raise ValueError(f"{path}:{r.line}: field 'id': duplicate id {r.id!r} (first on line {seen[r.id]})")
             seen[r.id] = r.line
-        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=False, tokens_per_hash_id=tokens_per_hash_id)
+        super().__init__(path, rows, time_scale, warmup_requests, seed, rebase=False,
+                         tokens_per_hash_id=tokens_per_hash_id)

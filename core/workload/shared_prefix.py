@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from core.checks import check_choice, check_float, check_int
 from core.request import Request, RequestState, Status
 from core.workload.arrivals import TraceArrivals, make_arrivals
 from core.workload.base import (
@@ -29,9 +30,6 @@ from core.workload.base import (
     blocks,
     bounded,
     check_bound,
-    check_float,
-    check_int,
-    check_seed,
     check_think,
     content_block_size,
     draw_think,
@@ -55,22 +53,22 @@ class SharedPrefixWorkload(OpenLoop):
                  num_requests: int | None = None, duration_s: float | None = None, warmup_requests: int = 0,
                  num_tenants: int = 1, assignment: str = "random", zipf_s: float = 0.0, tokens_per_hash_id: int = 16,
                  seed: int = 0) -> None:
-        if assignment not in ASSIGNMENTS:
-            raise ValueError(f"workload.assignment={assignment!r}; allowed: {list(ASSIGNMENTS)}")
+        check_choice(assignment, "workload.assignment", ASSIGNMENTS)
         self.arrival = make_arrivals(arrival)
         check_bound(num_requests, duration_s, required=not isinstance(self.arrival, TraceArrivals))
-        self.num_groups = check_int(num_groups, "num_groups", 1)
-        self.prefix_len = check_int(prefix_len, "prefix_len", 1)
+        self.num_groups = check_int(num_groups, "workload.num_groups", 1)
+        self.prefix_len = check_int(prefix_len, "workload.prefix_len", 1)
         self.suffix_len = make_length(suffix_len, "suffix_len", minimum=0)
         self.output_len = make_length(output_len, "output_len")
         self.num_requests, self.duration_s = num_requests, duration_s
-        self.warmup_requests = check_int(warmup_requests, "warmup_requests", 0)
-        self.num_tenants = check_int(num_tenants, "num_tenants", 1)
+        self.warmup_requests = check_int(warmup_requests, "workload.warmup_requests", 0)
+        self.num_tenants = check_int(num_tenants, "workload.num_tenants", 1)
         self.assignment = assignment
-        w = 1.0 / np.arange(1, self.num_groups + 1) ** check_float(zipf_s, "zipf_s")
+        w = 1.0 / np.arange(1, self.num_groups + 1) ** check_float(zipf_s, "workload.zipf_s")
         self.group_weights = w / w.sum()
-        self.block = content_block_size(check_int(tokens_per_hash_id, "tokens_per_hash_id", 1), self.prefix_len)
-        self.seed = check_seed(seed)
+        tokens_per_hash_id = check_int(tokens_per_hash_id, "workload.tokens_per_hash_id", 1)
+        self.block = content_block_size(tokens_per_hash_id, self.prefix_len)
+        self.seed = check_int(seed, "workload.seed", 0)
 
     def group_ids(self, g: int) -> tuple[int, ...]:
         nb = self.prefix_len // self.block
@@ -126,13 +124,15 @@ class MultiTurnWorkload:
         self.output_len = make_length(output_len, "output_len")
         self.num_turns = make_length(num_turns, "num_turns")
         self.num_sessions, self.duration_s = num_sessions, duration_s
-        self.system_prompt_len = check_int(system_prompt_len, "system_prompt_len", 0)
+        self.system_prompt_len = check_int(system_prompt_len, "workload.system_prompt_len", 0)
         self.think_time_s, self.think = check_think(think_time_s, think), think
-        self.max_prompt_len = None if max_prompt_len is None else check_int(max_prompt_len, "max_prompt_len", 1)
-        self.warmup_sessions = check_int(warmup_sessions, "warmup_sessions", 0)
-        self.num_tenants = check_int(num_tenants, "num_tenants", 1)
-        self.block = content_block_size(check_int(tokens_per_hash_id, "tokens_per_hash_id", 1), self.system_prompt_len)
-        self.seed = check_seed(seed)
+        self.max_prompt_len = (None if max_prompt_len is None
+                               else check_int(max_prompt_len, "workload.max_prompt_len", 1))
+        self.warmup_sessions = check_int(warmup_sessions, "workload.warmup_sessions", 0)
+        self.num_tenants = check_int(num_tenants, "workload.num_tenants", 1)
+        tokens_per_hash_id = check_int(tokens_per_hash_id, "workload.tokens_per_hash_id", 1)
+        self.block = content_block_size(tokens_per_hash_id, self.system_prompt_len)
+        self.seed = check_int(seed, "workload.seed", 0)
         self._live: dict[str, _Session] = {}
         self._counter = IdCounter()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from core.checks import check_int
 from core.request import Request
 from core.workload.arrivals import TraceArrivals, make_arrivals
 from core.workload.base import (
@@ -15,8 +16,6 @@ from core.workload.base import (
     OpenLoop,
     bounded,
     check_bound,
-    check_int,
-    check_seed,
     rng,
     tenant_name,
 )
@@ -40,10 +39,10 @@ class SyntheticWorkload(OpenLoop):
         self.prompt_len = make_length(prompt_len, "prompt_len")
         self.output_len = make_length(output_len, "output_len")
         self.num_requests, self.duration_s = num_requests, duration_s
-        self.warmup_requests = check_int(warmup_requests, "warmup_requests", 0)
-        self.num_tenants = check_int(num_tenants, "num_tenants", 1)
-        self.priority = check_int(priority, "priority", -2**31)
-        self.seed = check_seed(seed)
+        self.warmup_requests = check_int(warmup_requests, "workload.warmup_requests", 0)
+        self.num_tenants = check_int(num_tenants, "workload.num_tenants", 1)
+        self.priority = check_int(priority, "workload.priority", -2**31)
+        self.seed = check_int(seed, "workload.seed", 0)
 
     def initial(self) -> Iterator[Request]:
         s = self.seed

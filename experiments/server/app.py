@@ -113,7 +113,8 @@ class OpenAIServer:
             if snap.num_waiting + self.bridge.pending >= self.settings.max_waiting:
                 raise APIError(f"too many requests waiting ({snap.num_waiting} >= serve.max_waiting="
                                f"{self.settings.max_waiting}); retry later", status=429, kind="rate_limit_error")
-            rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+            # a client's X-Request-Id names the request in the run files too (its records and ours then pair up)
+            rid = request.headers.get("X-Request-Id") or protocol.new_id("chatcmpl" if chat else "cmpl")
             req = Request(rid, self.bridge.now(), len(gen.prompt_ids), gen.max_tokens, prompt_token_ids=gen.prompt_ids,
                           sampling=gen.sampling, ignore_eos=gen.ignore_eos, min_tokens=gen.min_tokens,
                           stop_token_ids=gen.stop_token_ids)
@@ -122,6 +123,8 @@ class OpenAIServer:
                 raise APIError(f"request rejected: {stream.state.reason}")
         except APIError as e:
             return web.json_response(e.body(), status=e.status)
+        except ValueError as e:  # a request id used before
+            return web.json_response(APIError(str(e), param="X-Request-Id").body(), status=400)
         except RuntimeError as e:  # the loop has failed or stopped
             return web.json_response(APIError(str(e), 503, kind="service_unavailable").body(), status=503)
         ended = False

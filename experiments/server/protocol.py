@@ -111,9 +111,10 @@ def parse_generation(body: Any, prompt_ids: tuple[int, ...], max_model_len: int,
     if not 0 <= min_tokens <= max_tokens:
         raise APIError(f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}",
                        param="min_tokens")
-    return Generation(prompt_ids, max_tokens, sampling, tuple(stop), tuple(stop_ids), _field(body, "stream", bool, False),
-                      bool(_field(options, "include_usage", bool, False)), _field(body, "ignore_eos", bool, False),
-                      min_tokens, _field(body, "return_token_ids", bool, False))
+    return Generation(prompt_ids, max_tokens, sampling, tuple(stop), tuple(stop_ids),
+                      _field(body, "stream", bool, False), bool(_field(options, "include_usage", bool, False)),
+                      _field(body, "ignore_eos", bool, False), min_tokens,
+                      _field(body, "return_token_ids", bool, False))
 
 
 def completion_prompt(body: Any, tokenizer: Any, vocab_size: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.checks import check_choice
 from core.output import read_metrics
 from experiments.build import CONF_DIR
 from experiments.overrides import apply_overrides
@@ -38,8 +39,7 @@ def with_section(cfg: DictConfig, section: Any) -> DictConfig:
 def scaled(cfg: DictConfig) -> DictConfig:
     """``cfg`` at ``study.scale``: ``full`` as configured, ``tiny`` with the ``study.tiny`` section applied."""
     scale = cfg.study.get("scale", "full")
-    if scale not in SCALES:
-        raise ValueError(f"study.scale={scale!r}; allowed: {list(SCALES)}")
+    check_choice(scale, "study.scale", SCALES)
     return with_section(cfg, cfg.study.get("tiny")) if scale == "tiny" else cfg
 
 

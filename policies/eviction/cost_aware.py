@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core.checks import check_float
 from core.eviction import KeyedEviction
 from core.kv_cache import Block
 from core.metrics import prefix_work
@@ -23,8 +24,9 @@ class CostAwareEviction(KeyedEviction):
     """
 
     def __init__(self, a: float = 1.0, b: float = 4e-5) -> None:
-        if a < 0 or b < 0 or a + b <= 0:
-            raise ValueError(f"eviction.a and eviction.b must be >= 0 and not both 0, got a={a}, b={b}")
+        check_float(a, "eviction.a", 0.0), check_float(b, "eviction.b", 0.0)
+        if a + b <= 0:
+            raise ValueError(f"eviction.a and eviction.b must not both be 0, got a={a}, b={b}")
         super().__init__()
         self.a, self.b = a, b
         self.clock = 0.0

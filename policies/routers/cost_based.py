@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+from core.checks import check_float
 from core.interfaces import ReplicaView
 from core.metrics import prefix_work
 from core.request import Request
@@ -23,8 +24,7 @@ class CostBasedRouter:
                  decode_s_per_token: float = 5e-4) -> None:
         for name, v in (("prefill_s_per_token", prefill_s_per_token), ("prefill_s_per_pair", prefill_s_per_pair),
                         ("decode_s_per_token", decode_s_per_token)):
-            if v < 0:
-                raise ValueError(f"router.{name} must be >= 0, got {v}")
+            check_float(v, f"router.{name}", 0.0)
         self.a, self.b, self.d = prefill_s_per_token, prefill_s_per_pair, decode_s_per_token
 
     def prefill_s(self, n: int) -> float:

@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+from core.checks import check_int
 from core.interfaces import ReplicaView
 from core.request import Request
 
@@ -13,9 +14,7 @@ class PrefixAwareRouter:
     cache affinity, which piles a popular prefix onto one replica."""
 
     def __init__(self, max_imbalance: int = 8) -> None:
-        if max_imbalance < 0:
-            raise ValueError(f"router.max_imbalance must be >= 0, got {max_imbalance}")
-        self.max_imbalance = max_imbalance
+        self.max_imbalance = check_int(max_imbalance, "router.max_imbalance", 0)
 
     def route(self, request: Request, replicas: Sequence[ReplicaView]) -> int:
         floor = min(r.num_outstanding for r in replicas)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core.batch import Batch, Chunk
+from core.checks import check_int
 from core.interfaces import SchedulerView
 from policies.schedulers.common import admit, fcfs, schedule_running
 
@@ -14,9 +15,7 @@ class LPMScheduler:
     so when more than ``fcfs_threshold`` requests wait it falls back to FCFS (SGLang switches at 128)."""
 
     def __init__(self, fcfs_threshold: int = 128) -> None:
-        if fcfs_threshold < 0:
-            raise ValueError(f"scheduler.fcfs_threshold must be >= 0, got {fcfs_threshold}")
-        self.fcfs_threshold = fcfs_threshold
+        self.fcfs_threshold = check_int(fcfs_threshold, "scheduler.fcfs_threshold", 0)
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}

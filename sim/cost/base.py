@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from core.batch import StepFeatures
@@ -16,12 +16,6 @@ class CostModel(Protocol):
     def step_time(self, f: StepFeatures) -> float:
         """Seconds."""
         ...
-
-
-def check_keys(section: str, given: Iterable[str], allowed: Iterable[str]) -> None:
-    unknown = sorted(set(given) - set(allowed))
-    if unknown:
-        raise ValueError(f"{section}: unknown keys {unknown}; allowed: {sorted(allowed)}")
 
 
 def _plain(cfg: Mapping[str, Any]) -> dict[str, Any]:

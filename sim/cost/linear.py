@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import yaml
 
 from core.batch import StepFeatures
-from sim.cost.base import check_keys
+from core.checks import check_float, check_keys
 
 TARGET = "sim.cost.linear.LinearCostModel"
 
@@ -32,10 +31,7 @@ class LinearCostModel:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
-                raise ValueError(f"cost_model.{f.name}={v!r}; allowed: a finite number >= 0")
-            object.__setattr__(self, f.name, float(v))
+            object.__setattr__(self, f.name, check_float(getattr(self, f.name), f"cost_model.{f.name}", 0.0))
 
     def step_time(self, f: StepFeatures) -> float:
         return (self.c0_s + self.per_prefill_token_s * f.num_prefill_tokens + self.per_decode_seq_s * f.num_decode_seqs

@@ -13,6 +13,7 @@ from typing import Any
 
 from core import arithmetic as ar
 from core.batch import StepFeatures
+from core.checks import check_float, check_fraction
 from core.specs import HardwareSpec, ModelSpec
 from sim.cost.base import as_hardware_spec, as_model_spec
 
@@ -28,12 +29,6 @@ class OpCost:
     @property
     def intensity(self) -> float:
         return self.flops / self.bytes if self.bytes else math.inf
-
-
-def _fraction(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ValueError(f"cost_model.{key}={value!r}; allowed: a number in (0, 1]")
-    return float(value)
 
 
 class RooflineCostModel:
@@ -56,10 +51,9 @@ class RooflineCostModel:
                  kv_bits: int = 16, group_size: int = 128, tp: int = 1) -> None:
         m, hw = as_model_spec(model), as_hardware_spec(hardware)
         self.model, self.hardware = m, hw
-        self.compute_eff, self.bw_eff = _fraction("compute_eff", compute_eff), _fraction("bw_eff", bw_eff)
-        if isinstance(overhead_s, bool) or not isinstance(overhead_s, int | float) or not 0 <= overhead_s < math.inf:
-            raise ValueError(f"cost_model.overhead_s={overhead_s!r}; allowed: a finite number >= 0")
-        self.overhead_s = float(overhead_s)
+        self.compute_eff = check_fraction(compute_eff, "cost_model.compute_eff")
+        self.bw_eff = check_fraction(bw_eff, "cost_model.bw_eff")
+        self.overhead_s = check_float(overhead_s, "cost_model.overhead_s", 0.0)
         ar.check_quant(weight_bits, kv_bits, group_size)
         self.weight_bits, self.kv_bits, self.group_size = weight_bits, kv_bits, group_size
         ar.kv_heads_per_device(m, tp)  # validates tp

@@ -20,11 +20,11 @@ def protocol_members(proto) -> set[str]:
     return {n for n in vars(proto) if not n.startswith("_")} | set(proto.__annotations__)
 
 
-def test_interfaces_import_only_batch_and_request():
+def test_interfaces_import_only_batch_request_and_checks():
     tree = ast.parse((CORE / "interfaces.py").read_text())
     core_imports = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                     and (node.module or "").startswith("core")}
-    assert core_imports == {"core.batch", "core.request"}
+    assert core_imports == {"core.batch", "core.checks", "core.request"}  # core.checks imports nothing of core
 
 
 def test_replica_view_has_the_protocol_members_and_no_kv():

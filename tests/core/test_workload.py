@@ -9,9 +9,10 @@ from omegaconf import OmegaConf
 from core.interfaces import Workload
 from core.prompt import block_hashes, materialize
 from core.request import Request, RequestState, Status
-from core.workload import ClosedLoopWorkload, MultiTurnWorkload, SharedPrefixWorkload, SyntheticWorkload, build_workload
+from core.workload import ClosedLoopWorkload, MultiTurnWorkload, SharedPrefixWorkload, SyntheticWorkload
 from core.workload.arrivals import make_arrivals
 from core.workload.lengths import make_length
+from experiments.build import build_workload
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "workload"
 SHAREGPT = "../shared/data/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
@@ -115,6 +116,7 @@ def test_bad_arrival_specs(spec):
 # ---- synthetic open loop
 
 ARR = {"kind": "poisson", "rate_rps": 4.0}
+SYNTH = "core.workload.SyntheticWorkload"
 PLEN = {"kind": "lognormal", "mean": 128, "sigma": 0.5, "max": 512}
 
 
@@ -267,7 +269,8 @@ def test_multi_turn_session_ends_on_rejection_or_length():
 
 
 def _load(name, **over):
-    cfg = OmegaConf.merge(OmegaConf.create({"seed": 7}), OmegaConf.create({"workload": OmegaConf.load(CONF / name)}),
+    root = {"seed": 7, "model": {"max_model_len": 2048}}  # what workload configs interpolate (profile_*: the context)
+    cfg = OmegaConf.merge(OmegaConf.create(root), OmegaConf.create({"workload": OmegaConf.load(CONF / name)}),
                           OmegaConf.create({"workload": over}))
     return cfg.workload
 
@@ -289,17 +292,20 @@ def test_requests_config_needs_a_path(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, words", [
-    ({"_target_": "core.workload.NoSuch"}, ["NoSuch", "built-in"]),
-    ({"_target_": "nosuchpkg.Thing"}, ["cannot import", "built-in"]),
+    ({"_target_": "core.workload.NoSuch"}, ["workload._target_", "NoSuch"]),
+    ({"_target_": "nosuchpkg.Thing"}, ["workload._target_", "nosuchpkg"]),
     ({}, ["_target_"]),
-    ({"_target_": "SyntheticWorkload", "arrival": ARR, "prompt_len": 8, "output_len": 8, "num_requests": 2,
-      "rate": 3}, ["unknown keys", "rate"]),
-    ({"_target_": "SyntheticWorkload", "arrival": ARR, "prompt_len": 8}, ["missing", "output_len"]),
-    ({"_target_": "SyntheticWorkload", "arrival": ARR, "prompt_len": 8, "output_len": 8}, ["num_requests",
-                                                                                           "duration_s"]),
+    ({"_target_": "SyntheticWorkload", "arrival": ARR, "prompt_len": 8, "output_len": 8}, ["workload._target_"]),
+    ({"_target_": SYNTH, "arrival": ARR, "prompt_len": 8, "output_len": 8, "num_requests": 2, "rate": 3},
+     ["workload.rate", "unknown key", "allowed", "num_requests"]),
+    ({"_target_": SYNTH, "arrival": ARR, "prompt_len": 8}, ["workload", "missing", "output_len"]),
+    ({"_target_": SYNTH, "arrival": ARR, "prompt_len": 8, "output_len": 8}, ["num_requests", "duration_s"]),
+    ({"_target_": SYNTH, "arrival": ARR, "prompt_len": 8, "output_len": 8, "num_requests": 0},
+     ["workload.num_requests", "allowed"]),
     ({"_target_": "builtins.dict"}, ["does not implement Workload"]),
 ])
 def test_build_workload_errors(cfg, words):
+    """Bad workload configs fail through Hydra's instantiate with a message naming the key."""
     with pytest.raises(ValueError) as e:
         build_workload(cfg)
     assert all(w in str(e.value) for w in words)

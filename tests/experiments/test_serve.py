@@ -246,12 +246,19 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
         while s.metric("kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.metric("kv_cache_usage_perc") == 0.0
-        deadline = time.monotonic() + 10  # the run files are flushed while serving
-        while not (tmp_path / "run" / "metrics.json").exists() and time.monotonic() < deadline:
+        def flushed() -> int:  # requests in the run files written while serving (every 0.5 s)
+            try:
+                return json.loads((tmp_path / "run" / "metrics.json").read_text())["num_requests"]
+            except (OSError, ValueError):
+                return 0
+
+        deadline = time.monotonic() + 15
+        while flushed() < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert json.loads((tmp_path / "run" / "metrics.json").read_text())["num_requests"] >= 1
+        assert flushed() >= 2  # the cancelled and the finished request
         # SIGTERM while a request streams: it is drained (finishes), files are written, the process exits
-        last = client.completions.create(model=str(ckpt), prompt=[10] * 5, max_tokens=30, stream=True, extra_body={"ignore_eos": True})
+        last = client.completions.create(model=str(ckpt), prompt=[10] * 5, max_tokens=30, stream=True,
+                                         extra_body={"ignore_eos": True})
         next(iter(last))
         s.terminate()
         assert len([c for c in last]) >= 1
@@ -263,3 +270,43 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["counts_by_status"]["CANCELLED"] == 1 and metrics["counts_by_status"]["FINISHED"] == 2
     assert (tmp_path / "run" / "steps.csv").stat().st_size > 0
+
+
+def test_loadgen_agrees_with_the_servers_own_records(ckpt, tmp_path):
+    """loadgen's per-request TTFT and token gaps against the server's requests.csv / tokens.csv (paired through
+    X-Request-Id): the client sees the server's times plus the HTTP path."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.build import CONF_DIR
+    from experiments.loadgen import run_loadgen
+
+    s = Server(ckpt, tmp_path / "server", "kv.num_blocks=512")
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("loadgen", overrides=[f"target.url={s.url}", f"model.path={ckpt}", "output.plots=false",
+                                                "output.progress=false", "workload.num_requests=16",
+                                                "workload.arrival.rate_rps=8", "workload.prompt_len.max=64",
+                                                "workload.output_len.max=16",
+                                                "+target.extra_body.return_token_ids=true"])
+        metrics = run_loadgen(cfg, tmp_path / "client")
+    finally:
+        assert s.stop() == 0
+    assert metrics["num_completed"] == 16
+    server_rows = {r["id"]: r for r in csv.DictReader((tmp_path / "server" / "requests.csv").open())}
+    client_rows = {r["id"]: r for r in csv.DictReader((tmp_path / "client" / "requests.csv").open())}
+    assert set(server_rows) == set(client_rows)
+    extra = sorted(float(client_rows[i]["ttft_s"]) - float(server_rows[i]["ttft_s"]) for i in server_rows)
+    assert extra[0] > -0.005  # the client never sees a token before the server made it
+    assert extra[len(extra) // 2] < 0.03, extra  # median HTTP + client overhead per request
+    assert all(client_rows[i]["output_tokens"] == server_rows[i]["output_tokens"] for i in server_rows)
+
+    def total_gap(path):
+        times = {}
+        for row in csv.DictReader(path.open()):
+            times.setdefault(row["request_id"], []).append(float(row["time_s"]))
+        return {k: v[-1] - v[0] for k, v in times.items()}
+
+    server_span = total_gap(tmp_path / "server" / "tokens.csv")
+    client_span = total_gap(tmp_path / "client" / "tokens.csv")
+    diffs = sorted(abs(client_span[i] - server_span[i]) for i in server_span)
+    assert diffs[len(diffs) // 2] < 0.03, diffs  # first-to-last token span: the decode timeline seen by both

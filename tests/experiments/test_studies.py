@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from core.workload import build_workload
-from experiments.build import CONF_DIR
+from experiments.build import CONF_DIR, build_workload
 from experiments.study import run_study, studies
 
 # A few seconds each: the default run (chunk_tradeoff runs there too, in test_headline_number_is_the_run_metric).
@@ -145,3 +144,23 @@ def test_mix_rejects_closed_loop_parts():
               "output_len": 2}
     with pytest.raises(ValueError, match="open loop"):
         build_workload({"_target_": "core.workload.combinators.Mix", "parts": {"x": closed}})
+
+
+def test_nested_workloads_without_seed_take_the_combinators_seed():
+    """A Mix part without ``seed`` gets the Mix's seed + its index, a Window's inner workload the Window's seed."""
+    drawn = {**UNIQUE, "arrival": {"kind": "poisson", "rate_rps": 1.5}}
+
+    def times(cfg, prefix=""):
+        return [r.arrival_s for r in build_workload(cfg).initial() if r.id.startswith(prefix)]
+
+    mix = {"_target_": "core.workload.combinators.Mix", "seed": 5, "parts": {"a": drawn, "b": {**drawn, "seed": 9},
+                                                                              "c": drawn}}
+    for name, seed in (("a", 5), ("b", 9), ("c", 7)):
+        assert times(mix, f"{name}/") == times({**drawn, "seed": seed})
+    window = {"_target_": "core.workload.combinators.Window", "inner": drawn, "seed": 4}
+    assert times(window) == times({**drawn, "seed": 4}) != times({**drawn, "seed": 0})
+
+
+def test_nested_workload_errors_name_the_part():
+    with pytest.raises(ValueError, match=r"workload.parts.x.*rate"):
+        build_workload({"_target_": "core.workload.combinators.Mix", "parts": {"x": {**UNIQUE, "rate": 1}}})

@@ -7,6 +7,7 @@ import pytest
 
 from core import arithmetic as ar
 from core.batch import StepFeatures
+from experiments.published import conf_specs
 from sim.calibration import fit_roofline, predict, steps_of
 from sim.cost.roofline import RooflineCostModel
 from sim.published import OPT_TWINS, READERS, YI_34B_200K, check_dataset, default_data_dir, load
@@ -24,7 +25,7 @@ FITTED_MEDIAN_BOUND = 0.20
 
 @pytest.fixture(scope="module")
 def loaded():
-    return {s: load(s, DATA) for s in READERS}
+    return {s: load(s, conf_specs(), DATA) for s in READERS}
 
 
 def peak(ds) -> np.ndarray:
