@@ -18,6 +18,14 @@ The root config is the *held-out* workload. Each comparison writes into its outp
 
 A fixed calibration on many held-out workloads: ``python -m experiments.compare +sweep=heldout
 compare.calibration=<dir>/linear.yaml``. See docs/calibration.md.
+
+A measured black box instead of our engine: ``compare.measured=<dir or .json>`` takes a loadgen run directory (any
+OpenAI-compatible server: ours, vLLM, SGLang) or a vLLM ``bench serve --save-result --save-detailed`` JSON as the
+measured side. There is no engine run, no replay and no step data; the calibration is ``compare.calibration`` or
+fitted here from ``calibrate.runs`` (request-level profiling runs against the same server). The simulator runs the
+measured run's own workload: the ``workload`` section of its config.yaml when it has one (loadgen writes it: same
+requests, same prefix sharing), else a request list of its requests.csv (arrivals and lengths, no sharing).
+See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -106,12 +114,60 @@ def step_errors(cost_model: Any, run_dir: str | Path) -> tuple[FitReport, dict[s
 
 
 # ---- the whole comparison -----------------------------------------------------------------------------------
+def measured_run(cfg: DictConfig, source: str | Path, out_dir: Path) -> tuple[dict[str, Any], DictConfig]:
+    """A black-box measurement as this comparison's measured side, written into ``out_dir``; returns its metrics and
+    ``cfg`` with the workload the measurement ran (see the module docstring)."""
+    import shutil
+
+    from experiments.bench_format import bench_serve_to_run
+    from experiments.build import metrics_options
+
+    src = Path(source)
+    if src.is_file() and src.suffix == ".json":
+        metrics = bench_serve_to_run(src, out_dir, metrics_options(cfg, model_spec(cfg)))
+        workload_cfg = None
+    elif (src / "requests.csv").is_file() and (src / "metrics.json").is_file():
+        if src.resolve() != out_dir.resolve():
+            shutil.copytree(src, out_dir, dirs_exist_ok=True)
+        metrics = read_metrics(out_dir / "metrics.json")
+        recorded = OmegaConf.load(src / "config.yaml") if (src / "config.yaml").is_file() else None
+        workload_cfg = recorded.get("workload") if recorded is not None else None
+    else:
+        raise ValueError(f"compare.measured={source}: neither a run directory (requests.csv + metrics.json) nor a "
+                         "vLLM bench serve .json")
+    if workload_cfg is None:
+        workload_cfg = {"_target_": "core.workload.RequestList", "path": str(_request_list(out_dir)), "seed": 0}
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    out.workload = OmegaConf.create(OmegaConf.to_container(workload_cfg, resolve=True)
+                                    if OmegaConf.is_config(workload_cfg) else workload_cfg)
+    return metrics, out
+
+
+def _request_list(run_dir: Path) -> Path:
+    """The requests of a measured run as a request list (arrival, lengths) for the simulator. A request that
+    produced no output (rejected, timed out before its first token) is simulated with one output token."""
+    import csv
+
+    rows = list(csv.DictReader((run_dir / "requests.csv").open()))
+    path = run_dir / "request_list.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["id", "arrival_s", "prompt_tokens", "output_tokens", "warmup"])
+        for r in rows:
+            w.writerow([r["id"], r["arrival_s"], r["prompt_tokens"], max(1, int(r["output_tokens"] or 0)),
+                        r.get("warmup") or 0])
+    return path
+
+
 def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> dict[str, Any]:
     """One comparison point: the engine run (alongside the training run when calibrating here with
-    ``compare.train``), the calibration, the replay check, the simulation, the errors and (``plots_too``) figures."""
+    ``compare.train``) or a measured black box (``compare.measured``), the calibration, the replay check (engine
+    only), the simulation, the errors and (``plots_too``) figures."""
     c = cfg.compare
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if c.get("measured"):
+        return _evaluate_measured(cfg, out, plots_too)
     engine_cfg = with_backend(cfg, "engine")
     summary: dict[str, Any] = {"held_out": {"workload": cfg.workload.get("_target_"),
                                             "scheduler": cfg.scheduler.get("_target_")}}
@@ -162,6 +218,38 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     return summary
 
 
+def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str, Any]:
+    c = cfg.compare
+    measured, cfg = measured_run(cfg, c.measured, out / "engine")
+    summary: dict[str, Any] = {"measured": {"source": str(c.measured), "backend": measured.get("backend"),
+                                            "workload": cfg.workload.get("_target_")}}
+    if c.calibration:
+        cal_path = Path(c.calibration)
+        summary["calibration"] = {"path": str(cal_path.resolve()), "fitted_here": False}
+    elif cfg.calibrate.get("runs"):
+        cal = calibrate(cfg, out / "calibration")
+        cal_path = cal.path(c.fit)
+        summary["calibration"] = {"path": str(cal_path.resolve()), "fitted_here": True, "text": describe(cal)}
+    else:
+        raise ValueError("compare.measured needs compare.calibration=<linear.yaml> or calibrate.runs=[...] "
+                         "(request-level profiling runs against the same server)")
+    sim = run(with_calibration(cfg, cal_path), out / "sim")
+    rows = percentile_errors(measured, sim, list(c.metrics), list(c.percentiles))
+    summary["errors"] = rows
+    (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "errors.md").write_text(errors_markdown(rows, title="sim vs measured"))
+    summary["metrics"] = {"measured": _headline(measured), "sim": _headline(sim)}
+    summary["plots"] = {}
+    if plots_too:
+        from experiments import plots
+
+        runs = {str(measured.get("backend") or "measured"): plots.load_run(out / "engine"),
+                "sim (calibrated)": plots.load_run(out / "sim")}
+        summary["plots"]["latency_cdfs"] = str(plots.latency_cdfs(runs, out / "latency_cdfs.png",
+                                                                  "held-out workload: measured vs sim"))
+    return summary
+
+
 def _headline(m: Mapping[str, Any]) -> dict[str, Any]:
     return {"ttft_p50": m["ttft_s"]["p50"], "ttft_p90": m["ttft_s"]["p90"], "tpot_p50": m["tpot_s"]["p50"],
             "tpot_p90": m["tpot_s"]["p90"], "goodput_rps": m["goodput_rps"], "slo_attainment": m["slo_attainment"],
@@ -179,7 +267,10 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     unknown = sorted(set(c.rate_backends) - {"sim", "engine"})
     if unknown or not c.rate_backends:
         raise ValueError(f"compare.rate_backends={list(c.rate_backends)}; allowed: [sim, engine] or [sim]")
-    if not c.calibration and cfg.calibrate.profile and not cfg.calibrate.get("profile_from"):
+    if c.get("measured") and c.rates:
+        raise ValueError("compare.measured compares one measured run; set compare.rates=[] (measure each rate with "
+                         "loadgen and compare each)")
+    if not c.get("measured") and not c.calibration and cfg.calibrate.profile and not cfg.calibrate.get("profile_from"):
         profile_csv = run_profile(with_backend(cfg, "engine"), out / "calibration")
         cfg = apply_overrides(cfg, [f"calibrate.profile_from={profile_csv}"])
     summary = evaluate(cfg, out)

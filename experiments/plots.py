@@ -54,9 +54,11 @@ class RunData:
 
 
 def load_run(run_dir: str | Path) -> RunData:
+    """A run directory's files; a black-box measurement (loadgen, vLLM) has no steps.csv: its steps are empty."""
     d = Path(run_dir)
-    return RunData(read_requests_csv(d / "requests.csv"), read_tokens_csv(d / "tokens.csv"),
-                   read_steps_csv(d / "steps.csv"), read_metrics(d / "metrics.json"))
+    steps = read_steps_csv(d / "steps.csv") if (d / "steps.csv").is_file() else {}
+    return RunData(read_requests_csv(d / "requests.csv"), read_tokens_csv(d / "tokens.csv"), steps,
+                   read_metrics(d / "metrics.json"))
 
 
 def cdf(ax, values: np.ndarray, label: str, color=None, linestyle="-") -> None:

@@ -151,3 +151,49 @@ def test_pipeline_writes_its_summary(tmp_path):
     assert result["heldout"]["logic"]["identical"] and result["prefix"]["logic"]["identical"]
     for name in ("heldout/latency_cdfs.png", "heldout/rate_curves.png", "prefix/step_scatter.png", "pipeline.json"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def _known_linear(tmp_path):
+    """A calibration file holding the hand-set linear model of conf/cost_model/linear.yaml."""
+    from hydra.utils import instantiate
+
+    from sim.calibration import write_calibration
+
+    return write_calibration(tmp_path / "known.yaml", instantiate(cfg_with("backend=sim").cost_model))
+
+
+def test_a_measured_run_directory_is_compared_on_its_own_workload(tmp_path):
+    """A black-box run (here: a simulated run with the hand-set linear model, standing in for a loadgen run) compared
+    with the simulator calibrated with that same model: the sim runs the recorded workload, so every error is 0."""
+    measured = tmp_path / "measured"
+    run(cfg_with("backend=sim", "workload=shared_prefix", "workload.num_requests=30", "output.plots=false"), measured)
+    (measured / "steps.csv").unlink()  # a black box has no steps
+    summary = compare(cfg_with(f"compare.measured={measured}", f"compare.calibration={_known_linear(tmp_path)}",
+                               "compare.rates=[]", "calibrate.profile=false"), tmp_path / "cmp")
+    assert summary["measured"]["workload"] == "core.workload.SharedPrefixWorkload"  # from its config.yaml
+    assert all(r["rel_error"] in (0.0, None) for r in summary["errors"]), summary["errors"]
+    assert (tmp_path / "cmp" / "latency_cdfs.png").stat().st_size > 10_000
+
+
+def test_a_vllm_bench_serve_json_is_a_measured_run(tmp_path):
+    """vLLM's detailed result: its requests (arrivals from start_times, lengths) become the simulated workload."""
+    data = {"input_lens": [40, 60, 50], "output_lens": [8, 6, 0], "ttfts": [0.05, 0.06, 0.0],
+            "itls": [[0.01] * 7, [0.012] * 5, []], "errors": ["", "", "timeout"], "start_times": [10.0, 10.2, 10.4],
+            "latencies": [0.12, 0.12, 0.0], "duration": 0.6}
+    src = tmp_path / "vllm.json"
+    src.write_text(json.dumps(data))
+    summary = compare(cfg_with(f"compare.measured={src}", f"compare.calibration={_known_linear(tmp_path)}",
+                               "compare.rates=[]", "calibrate.profile=false"), tmp_path / "cmp")
+    m = json.loads((tmp_path / "cmp" / "engine" / "metrics.json").read_text())
+    assert (m["num_completed"], m["num_timed_out"]) == (2, 1)
+    assert summary["measured"]["workload"] == "core.workload.RequestList"
+    assert summary["metrics"]["measured"]["ttft_p50"] == pytest.approx(0.05)
+    sim = json.loads((tmp_path / "cmp" / "sim" / "metrics.json").read_text())
+    assert sim["num_requests"] == 3  # the timed-out request is simulated too (with one output token)
+
+
+def test_measured_needs_a_calibration(tmp_path):
+    run(cfg_with("backend=sim", "workload.num_requests=5", "output.plots=false"), tmp_path / "m")
+    with pytest.raises(ValueError, match="compare.calibration"):
+        compare(cfg_with(f"compare.measured={tmp_path / 'm'}", "compare.rates=[]", "calibrate.profile=false"),
+                tmp_path / "cmp")
