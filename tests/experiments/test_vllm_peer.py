@@ -34,7 +34,8 @@ def vllm(ckpt, tmp_path_factory):
     log = (tmp_path_factory.mktemp("vllm") / "vllm.log").open("w")
     args = ["--model", str(ckpt), "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1",
             "--port", str(port)]
-    proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
