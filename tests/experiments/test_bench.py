@@ -35,3 +35,12 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     assert kinds.count("decode") == 2 and kinds.count("prefill") == 1
     assert all(r["fraction_of_bandwidth_roofline"] > 0 for r in result["steps"] if r["kind"] == "decode")
     assert (tmp_path / "steps.csv").read_text().splitlines()[0].startswith("replica,start_s,duration_s")
+
+
+@pytest.mark.bench
+def test_http_serving_vs_offline_engine():
+    from experiments.bench_serve import main
+
+    out = main(["--requests", "32"])
+    print(f"tokens/s through HTTP / offline engine: {out['http_over_offline']:.2f}x (goal >= 0.9x); "
+          f"loadgen send lag p99 {out['send_lag_p99_ms']:.1f} ms")

@@ -6,13 +6,9 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ from core.request import Request  # noqa: E402
 from core.specs import ModelSpec  # noqa: E402
 from engine.executor import build_engine_executor  # noqa: E402
 from engine.loader import load_model  # noqa: E402
+from experiments.server.process import ServerProcess  # noqa: E402
 from policies.eviction.lru import LRUEviction  # noqa: E402
 from policies.routers.round_robin import RoundRobinRouter  # noqa: E402
 from policies.schedulers.sarathi import SarathiScheduler  # noqa: E402
@@ -34,70 +31,7 @@ from sim.clock import simulate  # noqa: E402
 from tests.engine.checkpoints import TINY, save_word_tokenizer, tiny_checkpoint  # noqa: E402
 from tests.helpers import ListWorkload  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m experiments.serve` in a subprocess on a free loopback port; always stopped."""
-
-    def __init__(self, ckpt: Path, out: Path, *overrides: str) -> None:
-        self.port, self.out, self.terminated = free_port(), out, False
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "experiments.serve", f"model={ckpt}", f"serve.port={self.port}",
-             f"hydra.run.dir={out}", "backend.warmup_steps=1", *overrides],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not come up")
-
-    def get(self, path: str) -> tuple[int, str]:
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
-            return r.status, r.read().decode()
-
-    def post(self, path: str, data: bytes) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def metric(self, name: str) -> float:
-        for line in self.get("/metrics")[1].splitlines():
-            if line.startswith(f"twinserve:{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None and not self.terminated:
-            self.proc.send_signal(signal.SIGTERM)  # a second SIGTERM would interrupt the drain
-            self.terminated = True
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        return self.proc.returncode
+Server = ServerProcess
 
 
 @pytest.fixture(scope="module")

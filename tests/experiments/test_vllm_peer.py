@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.experiments.test_serve import ROOT, Server, free_port
+from experiments.server.process import ROOT, free_port
+from experiments.server.process import ServerProcess as Server
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 pytestmark = [pytest.mark.slow,
