@@ -2,18 +2,23 @@
 
 The profile admits batches to the replica's KVCacheManager with core.shapes (no workload, no scheduler): each shape
 is a set of prefill chunks (a chunk of ``n`` tokens after ``c`` cached ones) and decodes (one token attending to a
-context), run ``warmup`` untimed then ``repeats`` timed times back to back (a run's consecutive steps are similar
-too, with warm caches); the median is the shape's duration. Engine steps are timed on the ``engine_clock``
-stopwatch (thread CPU time on the one-thread CPU engine: far steadier than the wall clock on a shared machine). Steps of
-earlier runs (``calibrate.steps=[run_dir, ...]``) can join or replace the profile; ``calibrate.profile_from``
-reuses an earlier profile.csv. ``sim.calibration`` fits the linear model and the roofline's efficiencies, and the
-output directory gets:
+context), run ``warmup`` untimed then ``repeats`` timed times back to back like a run's consecutive steps (the
+decodes advance one token per execution); the median is the shape's duration. The grid's ``auto`` values span the
+model's context and the scheduler's budget and sequence limit; shapes beyond the KV pool are left out with a note
+(``grid.json``). Engine steps are timed on the ``engine_clock`` stopwatch (thread CPU time on the one-thread CPU
+engine: far steadier than the wall clock on a shared machine). Steps of earlier runs (``calibrate.steps=[run_dir,
+...]``) can join or replace the profile; ``calibrate.profile_from`` reuses an earlier profile.csv;
+``calibrate.runs=[run_dir, ...]`` reads runs without steps.csv (a loadgen run against any server, best of the
+``profile_prefill`` / ``profile_decode`` workloads) through the step samples their request timings imply
+(``sim.calibration.request_samples``). ``sim.calibration`` fits the linear model and the roofline's efficiencies,
+and the output directory gets:
 
 - ``linear.yaml`` / ``roofline.yaml``: ready cost models; use one with
   ``python -m experiments.run cost_model=calibrated cost_model.path=<dir>/linear.yaml``
 - ``linear.report.json`` / ``roofline.report.json`` and ``fit_report.json`` (both fits, per shape group, and the
   linear model's 5-fold cross-validated relative error)
-- ``profile.csv`` (one row per shape: features, median / min / max seconds) and ``calibration_scatter.png``.
+- ``profile.csv`` (one row per shape: features, median / min / max seconds), ``grid.json`` (the resolved grid and
+  the shapes left out) and ``calibration_scatter.png``.
 """
 
 from __future__ import annotations
@@ -31,21 +36,37 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.batch import StepFeatures
-from core.shapes import ShapedBatch, shape_blocks
-from experiments.build import build_executors, build_replicas, engine_clock, hardware_spec, model_spec
+from core.batch import Batch, StepFeatures
+from core.request import Status
+from core.shapes import ShapedBatch, admit_chunk, shape_blocks
+from experiments.build import (
+    build_executors,
+    build_replicas,
+    engine_clock,
+    hardware_spec,
+    model_spec,
+    num_kv_blocks,
+)
 from sim.calibration import (
+    DEFAULT_TOLERANCE,
     FitReport,
+    RequestFit,
+    RequestSample,
     cross_validate,
+    cross_validate_requests,
     fit_linear,
+    fit_linear_requests,
     fit_roofline,
     predict,
+    request_samples_from_run,
     steps_from_csv,
     write_calibration,
 )
 
 GRID_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts", "mixed_chunks",
              "mixed_decodes", "mixed_context")
+AUTO = "auto"
+AUTO_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts")
 FITS = ("linear", "roofline")
 CV_FOLDS = 5
 LINEAR_TARGETS = ("mean", "relative")
@@ -74,24 +95,73 @@ class ProfileRow:
 
     @property
     def median_s(self) -> float:
-        return float(np.median(self.samples))
+        """The median sample (the lower of the two middle ones for an even count: a sample that was measured,
+        at the features the row records)."""
+        return float(sorted(self.samples)[(len(self.samples) - 1) // 2])
 
 
 def _ints(grid: Mapping[str, Any], key: str, lo: int) -> list[int]:
     v = grid.get(key, [])
     vals = [v] if isinstance(v, int) else list(v or [])
     if any(isinstance(x, bool) or not isinstance(x, int) or x < lo for x in vals):
-        raise ValueError(f"calibrate.grid.{key}={vals!r}; allowed: integers >= {lo}")
+        raise ValueError(f"calibrate.grid.{key}={vals!r}; allowed: integers >= {lo}, or auto")
     return vals
 
 
-def grid_shapes(grid: Mapping[str, Any], max_model_len: int) -> list[Shape]:
-    """The profile's shapes: prefill lens x cached context, decode batch x context, and mixed steps (one chunk
-    after ``mixed_context`` cached tokens plus decodes at ``mixed_context``)."""
+def geometric(lo: int, hi: int, ratio: int) -> list[int]:
+    """lo, lo*ratio, lo*ratio², ... below ``hi``, then ``hi`` itself ([] when hi < lo)."""
+    out, x = [], lo
+    while x < hi:
+        out.append(x)
+        x *= ratio
+    return out + [hi] if hi >= lo else out
+
+
+def auto_grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, list[int]]:
+    """What ``auto`` stands for in ``calibrate.grid``: the whole range a run of this model and scheduler reaches.
+
+    - prefill_lens: 8, 16, 32, ... up to the scheduler's token budget (a step's prefill never exceeds it);
+    - prefill_cached: 0, 128, 512, 2048, ... (x4) up to max_model_len minus the budget (the context a chunk of a
+      long prompt, or a suffix after a prefix-cache hit, attends to);
+    - decode_batch_sizes: 1, 2, 4, ... up to max_num_seqs;
+    - decode_contexts: 32, 128, 512, ... (x4) up to max_model_len.
+    """
+    budget = min(max_num_batched_tokens, max_model_len)
+    return {"prefill_lens": geometric(8, budget, 2),
+            "prefill_cached": [0] + geometric(128, max_model_len - budget, 4),
+            "decode_batch_sizes": geometric(1, max_num_seqs, 2),
+            "decode_contexts": geometric(32, max_model_len, 4)}
+
+
+def resolve_grid(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None) -> dict[str, Any]:
+    """``grid`` with every ``auto`` value replaced (``auto_grid``); auto needs the scheduler limits."""
     grid = dict(grid)
     unknown = sorted(set(grid) - set(GRID_KEYS))
     if unknown:
         raise ValueError(f"calibrate.grid: unknown keys {unknown}; allowed: {list(GRID_KEYS)}")
+    autos = [k for k, v in grid.items() if v == AUTO]
+    if autos:
+        bad = sorted(set(autos) - set(AUTO_KEYS))
+        if bad:
+            raise ValueError(f"calibrate.grid.{bad[0]}=auto is not supported; auto applies to {list(AUTO_KEYS)}")
+        if max_num_batched_tokens is None or max_num_seqs is None:
+            raise ValueError("calibrate.grid: auto values need the scheduler's max_num_batched_tokens and max_num_seqs")
+        grid.update({k: v for k, v in auto_grid(max_model_len, max_num_batched_tokens, max_num_seqs).items()
+                     if k in autos})
+    return grid
+
+
+def grid_plan(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tokens: int | None = None,
+              max_num_seqs: int | None = None, max_blocks: int | None = None,
+              block_size: int = 16) -> tuple[list[Shape], list[str]]:
+    """The profile's shapes and a note per shape left out: prefill lens x cached context, decode batch x context,
+    and mixed steps (one chunk after ``mixed_context`` cached tokens plus decodes at ``mixed_context``).
+
+    A single value beyond ``max_model_len`` is an error; a combination beyond it (a chunk after a long cached
+    context) is skipped, as is a shape needing more KV blocks than ``max_blocks`` (the run's KV pool: a batch that
+    big never happens there)."""
+    grid = resolve_grid(grid, max_model_len, max_num_batched_tokens, max_num_seqs)
     lens, cached = _ints(grid, "prefill_lens", 1), _ints(grid, "prefill_cached", 0) or [0]
     batches, contexts = _ints(grid, "decode_batch_sizes", 1), _ints(grid, "decode_contexts", 2)
     chunks, mixed_dec = _ints(grid, "mixed_chunks", 1), _ints(grid, "mixed_decodes", 1)
@@ -99,6 +169,12 @@ def grid_shapes(grid: Mapping[str, Any], max_model_len: int) -> list[Shape]:
     if len(mixed_ctx) != 1:
         raise ValueError(f"calibrate.grid.mixed_context={mixed_ctx}; allowed: one integer >= 2")
     ctx = mixed_ctx[0]
+    for key, vals, extra in (("prefill_lens", lens, 0), ("decode_contexts", contexts, 0),
+                             ("mixed_context", mixed_ctx, 0), ("prefill_cached", cached, 1)):
+        too_long = [v for v in vals if v + extra > max_model_len]
+        if too_long:
+            raise ValueError(f"calibrate.grid.{key}: {too_long} needs more positions than the model's "
+                             f"max_model_len {max_model_len}")
     shapes = [Shape("prefill", f"n={n},c={c}", prefills=((c, n),)) for c in cached for n in lens]
     shapes += [Shape("decode", f"b={b},ctx={t}", decodes=(t,) * b) for b in batches for t in contexts]
     shapes += [Shape("mixed", f"n={n},c={ctx},b={b},ctx={ctx}", prefills=((ctx, n),), decodes=(ctx,) * b)
@@ -106,41 +182,84 @@ def grid_shapes(grid: Mapping[str, Any], max_model_len: int) -> list[Shape]:
     if not shapes:
         raise ValueError("calibrate.grid describes no shapes; give prefill_lens and/or decode_batch_sizes x "
                          "decode_contexts")
+    kept, notes = [], []
     for s in shapes:
         longest = max([c + n for c, n in s.prefills] + list(s.decodes))
         if longest > max_model_len:
-            raise ValueError(f"calibrate.grid: shape {s.group} {s.label} needs {longest} positions > model "
-                             f"max_model_len {max_model_len}")
-    return shapes
+            notes.append(f"{s.group} {s.label}: {longest} positions > max_model_len {max_model_len}")
+        elif max_blocks is not None and s.blocks(block_size) > max_blocks:
+            notes.append(f"{s.group} {s.label}: {s.blocks(block_size)} KV blocks > the pool's {max_blocks}")
+        else:
+            kept.append(s)
+    if not kept:
+        raise ValueError(f"calibrate.grid: no shape fits ({'; '.join(notes[:3])}, ...)")
+    return kept, notes
+
+
+def grid_shapes(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tokens: int | None = None,
+                max_num_seqs: int | None = None, max_blocks: int | None = None, block_size: int = 16) -> list[Shape]:
+    """``grid_plan``'s shapes."""
+    return grid_plan(grid, max_model_len, max_num_batched_tokens, max_num_seqs, max_blocks, block_size)[0]
 
 
 def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: int = 2, seed: int = 0,
             progress: bool = False) -> list[ProfileRow]:
     """Time every shape on the configured backend (one replica, a KV pool sized for the largest shape), shapes in
-    a seeded random order."""
+    a seeded random order.
+
+    A shape's executions run like consecutive steps of a run: its decodes stay admitted and each execution
+    decodes one more token of each (an engine keeps their KV copies from step to step and appends, as it does
+    in a run, instead of gathering every context anew), its prefill chunks are admitted afresh each time. The
+    decodes start a few tokens short so that the row's features, those of the median execution, have the
+    shape's contexts (a context near max_model_len is moved down to leave the room)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"calibrate.repeats={repeats} must be >= 1 and calibrate.warmup={warmup} >= 0")
     spec = model_spec(cfg)
-    num_blocks = max(s.blocks(int(cfg.kv.block_size)) for s in shapes)
+    runs, mid = warmup + repeats, warmup + (repeats - 1) // 2
+
+    def start(t: int) -> int:  # a decode's first context: `mid` executions later it is t (or as near as fits)
+        return max(2, min(t - mid, spec.max_model_len - (runs - 1)))
+
+    bs = int(cfg.kv.block_size)
+    num_blocks = max(shape_blocks(s.prefills, [start(t) + runs - 1 for t in s.decodes], bs) for s in shapes)
     one = OmegaConf.merge(cfg, {"replicas": 1, "kv": {"num_blocks": num_blocks}})
     replica = build_replicas(one, spec, num_blocks)[0]
     executor = build_executors(one, spec, [replica])[0]
-    # one ShapedBatch per shape, kept across rounds (the engine materialises each prompt once, as in a run) and
-    # admitted to the replica's KV pool for every timed execution
-    states = [ShapedBatch(s.prefills, s.decodes, name=f"profile{i}") for i, s in enumerate(shapes)]
+    kv = replica.kv
     samples: list[list[float]] = [[] for _ in shapes]
     features: list[StepFeatures | None] = [None] * len(shapes)
     for n, i in enumerate(np.random.default_rng(seed).permutation(len(shapes)).tolist()):
-        for r in range(warmup + repeats):  # back to back, like the similar consecutive steps of a run
-            batch = states[i].admit(replica.kv)
-            features[i] = batch.features
+        s = shapes[i]
+        shaped = ShapedBatch(s.prefills, [start(t) for t in s.decodes], name=f"profile{i}")
+        batch = shaped.admit(kv)
+        for r in range(runs):  # back to back, like the consecutive steps of a run
+            if r:
+                batch = _next_step(shaped, kv)
+            if r == mid:
+                features[i] = batch.features
             out = executor.execute(batch)
-            states[i].release(replica.kv)
             if r >= warmup:
                 samples[i].append(float(out.duration_s))
+        shaped.release(kv)
+        for st in shaped.states:
+            executor.release(st.id)
         if progress and (n + 1) % 10 == 0:
             print(f"profiled {n + 1}/{len(shapes)} shapes", flush=True)
     return [ProfileRow(s, f, x) for s, f, x in zip(shapes, features, samples, strict=True)]
+
+
+def _next_step(shaped: ShapedBatch, kv: Any) -> Batch:
+    """The shape's next step: each prefill chunk admitted afresh, each decode one token further."""
+    chunks = []
+    k = len(shaped.prefills)
+    for st, (c, n) in zip(shaped.states[:k], shaped.prefills, strict=True):
+        kv.free(st, 0.0)
+        st.status = Status.WAITING
+        chunks.append(admit_chunk(kv, st, c, n))
+    for st in shaped.states[k:]:
+        st.output_token_ids.append(0)
+        chunks.append(admit_chunk(kv, st, st.num_computed_tokens + 1, 1))
+    return Batch(chunks)
 
 
 def write_profile(path: str | Path, rows: Sequence[ProfileRow]) -> Path:
@@ -237,13 +356,31 @@ def fit_all(cfg: DictConfig, features: Sequence[StepFeatures], durations: np.nda
     return models, reports
 
 
+def config_grid(cfg: DictConfig) -> tuple[list[Shape], list[str], dict[str, Any]]:
+    """``calibrate.grid`` for this config: (shapes, notes on the shapes left out, the grid with auto resolved).
+    Auto values follow the model's max_model_len and the scheduler's limits; shapes beyond the KV pool
+    (``kv.num_blocks``, else what ``kv.memory_bytes`` or the hardware holds) are left out."""
+    spec, sched = model_spec(cfg), cfg.scheduler
+    grid = OmegaConf.to_container(cfg.calibrate.grid, resolve=True)
+    limits = (spec.max_model_len, int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
+    pool = num_kv_blocks(cfg, spec, hardware_spec(cfg))
+    shapes, notes = grid_plan(grid, *limits, max_blocks=pool, block_size=int(cfg.kv.block_size))
+    return shapes, notes, resolve_grid(grid, *limits)
+
+
 def run_profile(cfg: DictConfig, out_dir: str | Path) -> Path:
-    """Profile ``calibrate.grid`` on the configured backend into ``<out_dir>/profile.csv``."""
+    """Profile ``calibrate.grid`` on the configured backend into ``<out_dir>/profile.csv`` (and the resolved grid,
+    with the shapes left out, into ``grid.json`` beside it)."""
     c = cfg.calibrate
-    shapes = grid_shapes(OmegaConf.to_container(c.grid, resolve=True), model_spec(cfg).max_model_len)
+    shapes, notes, grid = config_grid(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grid.json").write_text(json.dumps({"grid": grid, "num_shapes": len(shapes), "skipped": notes},
+                                              indent=2) + "\n")
+    if notes:
+        print(f"calibrate: {len(shapes)} shapes; {len(notes)} left out (see grid.json), e.g. {notes[0]}", flush=True)
     rows = profile(cfg, shapes, int(c.repeats), int(c.warmup), int(c.seed), bool(c.get("progress", False)))
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return write_profile(Path(out_dir) / "profile.csv", rows)
+    return write_profile(out / "profile.csv", rows)
 
 
 def read_profile(path: str | Path) -> tuple[list[StepFeatures], list[float], list[str]]:
@@ -263,9 +400,58 @@ def read_profile(path: str | Path) -> tuple[list[StepFeatures], list[float], lis
     return feats, durs, groups
 
 
+def profiling(c: DictConfig) -> bool:
+    """``calibrate.profile``: true, false, or auto (profile unless ``calibrate.runs`` are given: a server's
+    request-level runs are another system than the configured backend)."""
+    p = c.profile
+    if p == AUTO:
+        return not c.get("runs")
+    if not isinstance(p, bool):
+        raise ValueError(f"calibrate.profile={p!r}; allowed: true, false or auto")
+    return p
+
+
+def request_level_samples(c: DictConfig) -> tuple[list[RequestSample], dict[str, Any]]:
+    """The step samples implied by ``calibrate.runs`` (run directories with requests.csv + tokens.csv, e.g.
+    loadgen runs of the profile workloads against a server) and what was used to read them."""
+    runs = [str(r) for r in (c.get("runs") or [])]
+    chunk, tol = c.get("prefill_chunk"), c.get("tolerance", DEFAULT_TOLERANCE)
+    samples: list[RequestSample] = []
+    per_run = {}
+    for r in runs:
+        got = request_samples_from_run(r, chunk, tol)
+        if not got:
+            raise ValueError(f"calibrate.runs: {r} implies no step (no isolated request, no decode stretch with a "
+                             "fixed batch); measure it with workload=profile_prefill / profile_decode")
+        per_run[r] = {k: sum(s.kind == k for s in got) for k in ("ttft", "itl")}
+        samples += got
+    return samples, {"runs": runs, "prefill_chunk": chunk, "tolerance": tol, "samples": per_run}
+
+
+def fit_with_requests(cfg: DictConfig, samples: Sequence[RequestSample], labels: Sequence[str],
+                      fits: Sequence[str], target: str) -> tuple[dict[str, Any], dict[str, FitReport], RequestFit]:
+    """The requested fits on request-level samples (and measured steps, ``kind="step"``): the linear model with a
+    per-request TTFT overhead (``sim.calibration.fit_linear_requests``); the roofline on the durations less that
+    overhead."""
+    unknown = sorted(set(fits) - set(FITS))
+    if unknown or not fits:
+        raise ValueError(f"calibrate.fits={list(fits)}; allowed: a non-empty subset of {list(FITS)}")
+    rfit = fit_linear_requests(samples, target=target, labels=labels)
+    models, reports = {}, {}
+    if "linear" in fits:
+        models["linear"], reports["linear"] = rfit.model, rfit.report
+    if "roofline" in fits:
+        y = np.array([s.duration_s - (rfit.request_overhead_s if s.kind == "ttft" else 0.0) for s in samples])
+        keep = np.flatnonzero(y > 0)
+        models["roofline"], reports["roofline"] = fit_roofline(
+            [samples[i].steps for i in keep], y[keep], model_spec(cfg), hardware_spec(cfg),
+            labels=[labels[i] for i in keep])
+    return models, reports, rfit
+
+
 def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSource] = ()) -> Calibration:
     """Profile (``calibrate.profile``; or reuse ``calibrate.profile_from``, a profile.csv) and/or read
-    ``calibrate.steps`` + ``extra_steps``, fit, write files."""
+    ``calibrate.steps`` + ``extra_steps`` and/or the request-level ``calibrate.runs``, fit, write files."""
     c = cfg.calibrate
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,7 +459,7 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     durations: list[float] = []
     labels: list[str] = []
     paths: dict[str, Path] = {}
-    if c.get("profile_from") or c.profile:
+    if c.get("profile_from") or profiling(c):
         paths["profile"] = Path(c.profile_from) if c.get("profile_from") else run_profile(cfg, out)
         f, d, g = read_profile(paths["profile"])
         features += f
@@ -285,26 +471,48 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
         features += f
         durations += d.tolist()
         labels += [f"run:{group_of(x)}" for x in f]
-    if not features:
-        raise ValueError("calibrate: nothing to fit; set calibrate.profile=true, calibrate.profile_from=<profile.csv> "
-                         "or calibrate.steps=[run_dir, ...]")
-    y = np.asarray(durations, dtype=float)
+    samples, request_info = request_level_samples(c)
+    if not features and not samples:
+        raise ValueError("calibrate: nothing to fit; set calibrate.profile=true, calibrate.profile_from=<profile.csv>, "
+                         "calibrate.steps=[run_dir, ...] or calibrate.runs=[run_dir, ...]")
     w = c.get("profile_weight", 1.0)
     if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf:
         raise ValueError(f"calibrate.profile_weight={w!r}; allowed: a finite number >= 0")
     weights = [float(w) if not lab.startswith("run:") else 1.0 for lab in labels]
-    models, reports = fit_all(cfg, features, y, labels, list(c.fits), weights, c.get("linear_target", "mean"))
+    target = c.get("linear_target", "mean")
+    rfit = None
+    if samples:  # request-level data: one fit over everything, with the per-request TTFT overhead term
+        samples = [RequestSample((f,), d, "step", wt, lab) for f, d, wt, lab in
+                   zip(features, durations, weights, labels, strict=True)] + samples
+        labels += [f"request:{s.kind}" for s in samples[len(features):]]
+        models, reports, rfit = fit_with_requests(cfg, samples, labels, list(c.fits), target)
+        features = [s.steps for s in samples]
+        durations = [s.duration_s for s in samples]
+    y = np.asarray(durations, dtype=float)
+    if rfit is None:
+        models, reports = fit_all(cfg, features, y, labels, list(c.fits), weights, target)
     spec, hw = model_spec(cfg), hardware_spec(cfg)
     note = (f"model={spec.name} hardware={hw.name} backend={cfg.backend.name}; {len(features)} measurements "
-            f"(profile: {paths.get('profile')}, runs: {[str(s) for s in sources]})")
+            f"(profile: {paths.get('profile')}, runs: {[str(s) for s in sources]}"
+            + (f", request-level runs: {request_info['runs']})\nIsolated TTFTs carry a further "
+               f"{rfit.request_overhead_s * 1e3:.3g} ms per request (HTTP, tokenisation; not in this model: a "
+               "simulated request has none)" if rfit else ")"))
     for name, model in models.items():
         paths[name] = write_calibration(out / f"{name}.yaml", model, reports[name], note, (spec.name, hw.name))
     summary: dict[str, Any] = {name: rep.to_dict() for name, rep in reports.items()}
     summary.update(model=spec.name, hardware=hw.name, backend=cfg.backend.name, num_measurements=len(features),
                    sources=[str(s) for s in sources], profile=str(paths.get("profile")),
                    engine_clock=engine_clock(cfg) if cfg.backend.name == "engine" else None)
+    if paths.get("profile") and (paths["profile"].parent / "grid.json").is_file():
+        summary["grid"] = json.loads((paths["profile"].parent / "grid.json").read_text())
+    if rfit is not None:
+        summary["request_level"] = {**request_info, "request_overhead_s": rfit.request_overhead_s,
+                                    "num_samples": rfit.counts}
     if "linear" in models and len(y) >= 2 * CV_FOLDS:
-        rel = np.abs(cross_validate(lambda f, d: fit_linear_mean(f, d)[0], features, y, folds=CV_FOLDS))
+        if rfit is None:
+            rel = np.abs(cross_validate(lambda f, d: fit_linear_mean(f, d)[0], features, y, folds=CV_FOLDS))
+        else:
+            rel = np.abs(cross_validate_requests(samples, folds=CV_FOLDS, target=target))
         summary["linear_cv"] = {"folds": CV_FOLDS, "median_rel_error": float(np.median(rel)),
                                 "p90_rel_error": float(np.percentile(rel, 90)), "max_rel_error": float(rel.max())}
     paths["fit_report"] = out / "fit_report.json"
@@ -312,7 +520,10 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     if c.get("plot", True):
         from experiments import plots
 
-        panels = {f"{name} (R² {reports[name].r2:.3f})": _by_group(labels, y, predict(m, features))
+        def predicted(name: str, m: Any) -> np.ndarray:
+            return rfit.predict(samples) if rfit is not None and name == "linear" else predict(m, features)
+
+        panels = {f"{name} (R² {reports[name].r2:.3f})": _by_group(labels, y, predicted(name, m))
                   for name, m in models.items()}
         paths["scatter"] = plots.predicted_vs_measured(panels, out / "calibration_scatter.png",
                                                        f"{spec.name} on {hw.name}: step time")

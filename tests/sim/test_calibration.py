@@ -12,13 +12,19 @@ from core.batch import StepFeatures
 from core.records import StepRecord
 from core.specs import HardwareSpec, ModelSpec
 from sim.calibration import (
+    LINEAR_TERMS,
     OpGroupCost,
+    RequestSample,
     cross_validate,
+    cross_validate_requests,
     feature_matrix,
     fit_linear,
+    fit_linear_requests,
     fit_roofline,
     load_calibration,
+    prefill_steps,
     report,
+    request_samples,
     steps_from_csv,
     write_calibration,
 )
@@ -270,3 +276,96 @@ def test_calibration_for_another_model_is_refused(tmp_path):
         load_calibration(path, model=other)
     assert load_calibration(path, model=other, allow_mismatch=True).c0_s == 1e-3
     assert load_calibration(path, model={"name": "tiny"}).c0_s == 1e-3
+
+
+# ---- request-level samples (a server seen as a black box) --------------------------------------------------------
+def _runfiles(reqs, events):
+    """requests.csv / tokens.csv columns from (id, arrival, prompt, status, cached, preemptions) and
+    {id: [(time, tokens), ...]}: first token and finish from the events."""
+    cols = {k: [] for k in ("id", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "cached_tokens",
+                            "num_preemptions", "status", "replica", "warmup")}
+    toks = {k: [] for k in ("request_id", "index", "time_s", "num_tokens")}
+    for rid, arrival, prompt, status, cached, pre in reqs:
+        ev = events.get(rid, [])
+        for i, (t, k) in enumerate(ev):
+            toks["request_id"].append(rid)
+            toks["index"].append(i)
+            toks["time_s"].append(t)
+            toks["num_tokens"].append(k)
+        for key, v in (("id", rid), ("arrival_s", arrival), ("first_token_s", ev[0][0] if ev else np.nan),
+                       ("finish_s", ev[-1][0] if ev else np.nan), ("prompt_tokens", prompt),
+                       ("cached_tokens", cached), ("num_preemptions", pre), ("status", status), ("replica", 0),
+                       ("warmup", 0)):
+            cols[key].append(v)
+    return {k: np.array(v) for k, v in cols.items()}, {k: np.array(v) for k, v in toks.items()}
+
+
+def _decode(*contexts):
+    return StepFeatures(num_seqs=len(contexts), num_batched_tokens=len(contexts), num_decode_seqs=len(contexts),
+                        kv_tokens_read=sum(contexts), max_context_len=max(contexts))
+
+
+def test_request_samples_by_hand():
+    """a alone, then b joins: a's TTFT is isolated; the gaps while b is prefilling are not samples; the step both
+    decode in is seen by both (weight 1/2 each, contexts = prompt + tokens so far); b alone after a ends."""
+    reqs, toks = _runfiles(
+        [("a", 0.0, 10, "FINISHED", 0, 0), ("b", 1.05, 20, "FINISHED", 0, 0)],
+        {"a": [(1.0, 1), (1.1, 1), (1.2, 1), (1.3, 1)], "b": [(1.2, 1), (1.3, 1), (1.4, 1)]})
+    got = request_samples(reqs, toks)
+    summary = sorted((((s.source, s.kind, round(s.duration_s, 9), s.weight), s.steps) for s in got), key=lambda x: x[0])
+    assert summary == sorted([
+        (("a", "ttft", 1.0, 1.0), (prefill_features(10),)),
+        (("a", "itl", 0.1, 0.5), (_decode(13, 21),)),
+        (("b", "itl", 0.1, 0.5), (_decode(21, 13),)),
+        (("b", "itl", 0.1, 1.0), (_decode(22),)),
+    ], key=lambda x: x[0])
+
+
+def test_request_samples_chunks_events_and_unusable_neighbours():
+    """Prefill chunks after cached tokens; an event of 2 tokens is a run of 2 decode steps; a request that was
+    preempted (or did not finish) makes the samples it overlaps unusable, its own included."""
+    reqs, toks = _runfiles([("c", 0.0, 100, "FINISHED", 32, 0)], {"c": [(0.5, 1), (0.7, 2)]})
+    got = request_samples(reqs, toks, prefill_chunk=64)
+    ttft = [s for s in got if s.kind == "ttft"]
+    assert ttft[0].steps == (prefill_features(64, 32), prefill_features(4, 96)) and ttft[0].duration_s == 0.5
+    itl = [s for s in got if s.kind == "itl"]
+    assert len(itl) == 1 and itl[0].steps == (_decode(101), _decode(102))
+    assert itl[0].duration_s == pytest.approx(0.2)
+    for status, pre in (("FINISHED", 1), ("TIMED_OUT", 0)):
+        reqs, toks = _runfiles([("c", 0.0, 100, "FINISHED", 0, 0), ("x", 0.1, 50, status, 0, pre)],
+                               {"c": [(0.5, 1), (0.7, 1), (0.9, 1)], "x": [(0.6, 1), (0.8, 1)]})
+        assert request_samples(reqs, toks) == []
+
+
+def test_request_samples_check_their_inputs():
+    reqs, toks = _runfiles([("c", 0.0, 10, "FINISHED", 0, 0)], {"c": [(0.5, 1)]})
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        request_samples(reqs, toks, prefill_chunk=0)
+    with pytest.raises(ValueError, match="tolerance"):
+        request_samples(reqs, toks, tolerance=0.5)
+    del reqs["status"]
+    with pytest.raises(ValueError, match="status"):
+        request_samples(reqs, toks)
+
+
+def test_fit_linear_requests_recovers_the_model_and_the_overhead():
+    truth = LinearCostModel(c0_s=3e-3, per_prefill_token_s=1e-4, per_decode_seq_s=4e-4, per_attention_pair_s=5e-8,
+                            per_kv_token_read_s=2e-6, per_prefill_context_token_s=1e-6)
+    samples = []
+    for n in (16, 100, 700, 2000):
+        for chunk in (None, 512):
+            steps = prefill_steps(n, 0, chunk)
+            samples.append(RequestSample(steps, sum(map(truth.step_time, steps)) + 2e-3, "ttft"))
+    for b in (1, 3, 8, 32):
+        for ctx in (20, 300, 1500):
+            steps = (_decode(*[ctx] * b), _decode(*[ctx + 1] * b))[: 1 + (b % 2)]
+            samples.append(RequestSample(steps, sum(map(truth.step_time, steps)), "itl", 1 / b))
+    for target in ("mean", "relative"):
+        fit = fit_linear_requests(samples, target=target)
+        for k in LINEAR_TERMS:
+            assert getattr(fit.model, k) == pytest.approx(getattr(truth, k), rel=1e-6), k
+        assert fit.request_overhead_s == pytest.approx(2e-3, rel=1e-6)
+        assert fit.report.max_rel_error < 1e-9 and set(fit.report.groups) == {"ttft", "itl"}
+    assert np.abs(cross_validate_requests(samples, folds=4)).max() < 1e-6
+    with pytest.raises(ValueError, match="no request-level samples"):
+        fit_linear_requests([])
