@@ -8,10 +8,45 @@ evictable (refcount 0, still holding a cached prefix block; ordered by the Evict
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Sequence
 
 from core.checks import check_int
 from core.interfaces import Block, EvictionPolicy  # Block lives with the EvictionPolicy that reads it
 from core.request import RequestState
+
+# Memory one block costs when it is in use: a Block object (slots) plus its list slot; a never-used block costs
+# only its list slot. ``core.resources`` uses these to refuse a pool that cannot fit before building it.
+BLOCK_BYTES_USED = 120
+BLOCK_BYTES_IDLE = 8
+
+
+class _Blocks(Sequence[Block]):
+    """The pool's blocks by id, each created the first time it is used: a never-used block is free with default
+    fields, so a million-block pool costs one list slot per block until its blocks are taken."""
+
+    __slots__ = ("_items", "_size")
+
+    def __init__(self, items: list[Block | None], size: int) -> None:
+        self._items, self._size = items, size
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self._items)))]
+        blk = self._items[i]
+        if blk is None:
+            i = range(len(self._items))[i]
+            blk = self._items[i] = Block(i, size=self._size)
+        return blk
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[i] for i in range(len(self._items)))
+
+    def made(self) -> Iterator[Block]:
+        """The blocks created so far (every other block is free, refcount 0, no hash)."""
+        return (b for b in self._items if b is not None)
 
 
 class KVCacheManager:
@@ -25,8 +60,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.eviction = eviction
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i, size=block_size) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        self._items: list[Block | None] = [None] * num_blocks  # Blocks are created on first use (_take)
+        self.blocks = _Blocks(self._items, block_size)
+        # Free blocks: the never-used ids [_fresh, num_blocks) first, in id order, then the freed ones (FIFO) --
+        # the order of one deque that starts as 0..n-1 and gets freed ids appended.
+        self._fresh = 0
+        self._free: deque[int] = deque()
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}  # request id -> how many of its blocks are in the prefix cache
@@ -35,7 +74,7 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable."""
-        return len(self._free) + len(self.eviction)
+        return self.num_blocks - self._fresh + len(self._free) + len(self.eviction)
 
     @property
     def num_used_blocks(self) -> int:
@@ -77,11 +116,12 @@ class KVCacheManager:
         hits = self._hits(state)
         cached = len(hits) * self.block_size
         need = self.blocks_for(cached + num_new_tokens) - len(hits)
-        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # evictable hits stop being free
+        items = self._items
+        reclaimed = sum(1 for b in hits if items[b].ref_count == 0)  # evictable hits stop being free
         if need + reclaimed > self.num_free_blocks:
             return False
         for bid in hits:
-            blk = self.blocks[bid]
+            blk = items[bid]
             blk.num_hits += 1
             blk.last_used_s = now
             blk.ref_count += 1
@@ -103,16 +143,22 @@ class KVCacheManager:
         return True
 
     def _take(self, now: float) -> int:
-        if self._free:
+        if self._fresh < self.num_blocks:
+            bid = self._fresh
+            self._fresh += 1
+            blk = self._items[bid]
+            if blk is None:
+                blk = self._items[bid] = Block(bid, size=self.block_size)
+        elif self._free:
             bid = self._free.popleft()
+            blk = self._items[bid]
         else:
             bid = self.eviction.victim()
-            blk = self.blocks[bid]
+            blk = self._items[bid]
             assert blk.ref_count == 0 and blk.hash is not None, f"eviction policy returned block {bid} in use"
             del self._cached[blk.hash]
             blk.hash = None
             blk.num_hits = 0
-        blk = self.blocks[bid]
         blk.ref_count = 1
         blk.last_used_s = now
         return bid
@@ -130,7 +176,7 @@ class KVCacheManager:
             h = state.block_hashes[i]
             if h in self._cached:  # same content computed concurrently by another request: keep the first
                 continue
-            blk = self.blocks[table[i]]
+            blk = self._items[table[i]]
             blk.hash, blk.depth, blk.cached_s, blk.num_hits = h, i, now, 0
             self._cached[h] = blk.id
             self.eviction.on_cached(blk, now)
@@ -142,8 +188,9 @@ class KVCacheManager:
         self._registered.pop(state.id, None)
         if table is None:
             return
+        items = self._items
         for bid in reversed(table):
-            blk = self.blocks[bid]
+            blk = items[bid]
             blk.ref_count -= 1
             assert blk.ref_count >= 0, f"block {bid} refcount went negative"
             if blk.ref_count == 0:
@@ -159,14 +206,18 @@ class KVCacheManager:
         for table in self._tables.values():
             for bid in table:
                 refs[bid] += 1
-        for blk in self.blocks:
+        made = list(self.blocks.made())
+        for blk in made:
             assert blk.ref_count == refs[blk.id], f"block {blk.id}: refcount {blk.ref_count}, held {refs[blk.id]}x"
+        assert all(r == 0 for r in refs[self._fresh:]), "a never-used block is in a block table"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is twice on the free list"
+        assert all(bid < self._fresh for bid in free), "a never-used block is on the free list"
         for bid in free:
-            assert self.blocks[bid].ref_count == 0 and self.blocks[bid].hash is None
-        n_evictable = sum(1 for b in self.blocks if b.ref_count == 0 and b.hash is not None)
+            assert self._items[bid].ref_count == 0 and self._items[bid].hash is None
+        n_evictable = sum(1 for b in made if b.ref_count == 0 and b.hash is not None)
         assert n_evictable == len(self.eviction), f"{n_evictable} evictable blocks, policy tracks {len(self.eviction)}"
-        assert len(free) + n_evictable + sum(1 for b in self.blocks if b.ref_count > 0) == self.num_blocks
+        n_fresh = self.num_blocks - self._fresh
+        assert len(free) + n_fresh + n_evictable + sum(1 for b in made if b.ref_count > 0) == self.num_blocks
         for h, bid in self._cached.items():
-            assert self.blocks[bid].hash == h
+            assert self._items[bid].hash == h

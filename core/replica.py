@@ -196,7 +196,9 @@ class Replica:
     # ---- helpers -------------------------------------------------------------------------------------------
     def _end(self, state: RequestState, status: Status, now: float, reason: str = "") -> None:
         state.status = status
-        state.finish_s = now
+        # max(): as for first_scheduled_s, SimPy's float clock can stand an ulp before the arrival it was asked to
+        # reach (e.g. the idle-replica rejection right at an arrival); a request never ends before it arrives
+        state.finish_s = max(now, state.request.arrival_s)
         state.reason = reason
         self.kv.free(state, now)
         self.on_terminal(state, now)

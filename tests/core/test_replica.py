@@ -85,3 +85,30 @@ def test_prompt_ids_outside_the_vocabulary_are_rejected():
     by_id = {s.id: s for s in res.states}
     assert by_id["bad"].status is Status.REJECTED and "vocabulary" in by_id["bad"].reason
     assert by_id["ok"].status is Status.FINISHED
+
+
+def test_a_rejection_never_ends_before_its_arrival():
+    """The idle-replica rejection runs at the clock's time, which SimPy can land one ulp before the arrival it
+    was asked to reach; finish_s is clamped like first_scheduled_s."""
+    import math
+
+    from core.batch import Batch
+    from core.kv_cache import KVCacheManager
+    from core.replica import Replica, SchedulerLimits
+    from policies.eviction.lru import LRUEviction
+
+    class Nothing:  # schedules nothing: the waiting request is stuck on an idle replica
+        def schedule(self, view):
+            return Batch([])
+
+    ended = []
+    rep = Replica(0, Nothing(), KVCacheManager(8, 16, LRUEviction()), SchedulerLimits(),
+                  on_terminal=lambda state, now: ended.append(state))
+    arrival = 0.3
+    rep.add(Request("r", arrival, 4, 2), arrival)
+    early = math.nextafter(arrival, 0.0)
+    rep.schedule(early)
+    (state,) = ended
+    assert state.status is Status.REJECTED and "idle replica" in state.reason
+    assert state.finish_s == arrival > early
+    rep.kv.check_invariants()
