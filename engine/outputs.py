@@ -23,16 +23,22 @@ def _tokenizer(spec: ModelSpec):
         return None
 
 
-def write_outputs(path: str | Path, states: Iterable[RequestState], spec: ModelSpec, seed: int) -> Path:
+def outputs_jsonl(states: Iterable[RequestState], spec: ModelSpec, seed: int) -> str:
+    """outputs.jsonl's text: one JSON line per request (ids, status, prompt and output token ids, texts)."""
     tok = _tokenizer(spec)
+    lines = []
+    for s in sorted(states, key=lambda s: (s.request.arrival_s, s.id)):
+        row = {"id": s.id, "status": s.status.value,
+               "prompt_token_ids": materialize(s.request, spec.vocab_size, seed),
+               "output_token_ids": list(s.output_token_ids)}
+        if tok is not None:
+            row["prompt_text"] = tok.decode(row["prompt_token_ids"])
+            row["output_text"] = tok.decode(row["output_token_ids"])
+        lines.append(json.dumps(row) + "\n")
+    return "".join(lines)
+
+
+def write_outputs(path: str | Path, states: Iterable[RequestState], spec: ModelSpec, seed: int) -> Path:
     path = Path(path)
-    with path.open("w") as f:
-        for s in sorted(states, key=lambda s: (s.request.arrival_s, s.id)):
-            row = {"id": s.id, "status": s.status.value,
-                   "prompt_token_ids": materialize(s.request, spec.vocab_size, seed),
-                   "output_token_ids": list(s.output_token_ids)}
-            if tok is not None:
-                row["prompt_text"] = tok.decode(row["prompt_token_ids"])
-                row["output_text"] = tok.decode(row["output_token_ids"])
-            f.write(json.dumps(row) + "\n")
+    path.write_text(outputs_jsonl(states, spec, seed))
     return path

@@ -21,9 +21,6 @@ the token totals count successful requests only; ``request_goodput`` is null unl
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,26 +39,12 @@ MEASURED_FILES = ("requests.csv", "tokens.csv", "metrics.json")
 
 # ---- the run directory of a measured (black-box) run -------------------------------------------------------------
 def write_measured_run(out_dir: str | Path, states: Iterable[RequestState], metrics: Mapping[str, Any],
-                       extra_files: Mapping[str, str | bytes] | None = None) -> dict[str, Path]:
-    """requests.csv, tokens.csv, metrics.json (+ ``extra_files``) into ``out_dir``, without steps.csv.
-
-    The files are written by ``core.output.write_run`` into a temporary directory inside ``out_dir`` and renamed
-    into place, metrics.json last, so a crash never leaves a partial file that reads as complete. A steps.csv left
-    in ``out_dir`` by an earlier run is removed (it would be read as this run's steps)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".measured-", dir=out))
-    try:
-        written = write_run(tmp, states, [], metrics, extra_files)
-        written.pop("steps.csv").unlink()
-        (out / "steps.csv").unlink(missing_ok=True)
-        paths: dict[str, Path] = {}
-        for name in sorted(written, key=lambda n: n == "metrics.json"):
-            os.replace(written[name], out / name)
-            paths[name] = out / name
-        return paths
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                       extra_files: Mapping[str, str | bytes] | None = None,
+                       timing: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """requests.csv, tokens.csv, metrics.json (+ ``extra_files``, timing.json) into ``out_dir``, without steps.csv:
+    ``core.output.write_run``, which renames every file into place (metrics.json last) and removes the run files
+    an earlier run left (a stale steps.csv would be read as this run's steps)."""
+    return write_run(out_dir, states, None, metrics, extra_files, timing=timing)
 
 
 def apportion(total: int, num_events: int) -> list[int]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from hydra import compose, initialize_config_dir
 
+from core.output import read_timing
 from experiments.build import CONF_DIR
 from experiments.loadgen import LoadGen, run_loadgen, summary_line
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"workload.output_len={args.output_len}"])
         with tempfile.TemporaryDirectory() as tmp:
             metrics = run_loadgen(cfg, args.out or tmp, client=ProbedLoadGen)
+            wall_s = read_timing(args.out or tmp)["wall_s"]
     finally:
         proc.terminate()
         proc.wait(10)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
            "lag_net_p50_ms": float(np.percentile(net, 50)), "lag_net_p99_ms": float(np.percentile(net, 99)),
            "lag_net_max_ms": float(net.max()), "runqueue_wait_share": gen.runqueue_share, "machine_idle_share": idle,
            "loadavg_1min": load,
-           "wall_s": metrics["wall_s"],
+           "wall_s": wall_s,
            "exact_lengths": metrics["output_tokens"] == args.output_len * metrics["num_completed"]}
     print(summary_line(metrics))
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()))

@@ -41,7 +41,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.output import read_metrics
+from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
 from experiments.interleave import run_interleaved
@@ -203,7 +203,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     steps_report, scatter = step_errors(cost_model, out / "engine")
     summary["held_out_steps"] = steps_report.to_dict()
     summary["engine_clock"] = engine.get("engine_clock")
-    summary["wall_s"] = {"engine": engine.get("wall_s"), "sim": sim.get("wall_s")}
+    summary["wall_s"] = {k: read_timing(out / k).get("wall_s") for k in ("engine", "sim")}
     summary["metrics"] = {"engine": _headline(engine), "sim": _headline(sim)}
     summary["plots"] = {}
     if plots_too:

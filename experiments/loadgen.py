@@ -655,7 +655,6 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
     lags = res.send_lags_s
     metrics.update(
         backend="loadgen", target_url=target.completions_url, target_model=res.model, prompt_mode=target.prompt_mode,
-        wall_s=res.wall_s,
         send_lag_s=stats(lags, options["percentile_method"], LAG_PERCENTILES),
         num_unsent=len(res.records) - len(lags),
         num_token_count_mismatch=res.num_token_count_mismatch,
@@ -671,7 +670,7 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
         "bench_serve.json": json.dumps(bench, indent=2, allow_nan=False) + "\n",
         "client.csv": _client_csv(res.records),
         "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
-    })
+    }, timing={"wall_s": res.wall_s})
     if output.get("plots", False):
         from core.output import read_metrics, read_requests_csv, read_tokens_csv
         from experiments import plots

@@ -6,6 +6,8 @@ so every run directory holds the DESIGN section 8 files plus the resolved ``conf
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.loop import RunResult
+from core.output import COMPLETE, INTERRUPTED, write_run
 from experiments.build import MakeExecutors, build_loop, engine_clock, metrics_options, model_spec, progress_bar
 from experiments.overrides import with_backend
 from sim.clock import simulate
@@ -23,45 +26,67 @@ COMPARED_FILES = ("requests.csv", "tokens.csv")
 def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | None = None,
         backend_label: str | None = None) -> dict[str, Any]:
     """Run ``cfg`` (with executors from ``make_executors(replicas)`` when given) and write its run directory;
-    returns the metrics. Engine steps are timed on the ``engine_clock`` stopwatch, sim steps by the cost model."""
+    returns the metrics. Engine steps are timed on the ``engine_clock`` stopwatch, sim steps by the cost model.
+
+    A run stopped early (Ctrl-C, an error while it runs) still writes what it has: the requests that ended, as
+    ``.partial`` files beside a metrics.json whose ``run_status`` is ``interrupted`` (``core.output.write_run``);
+    then the exception propagates."""
     loop = build_loop(cfg, make_executors)
-    result = simulate(loop, progress=progress_bar(cfg.output.progress))
+    t0 = time.perf_counter()
+    try:
+        result = simulate(loop, progress=progress_bar(cfg.output.progress))
+    except BaseException as e:
+        partial = loop.result(time.perf_counter() - t0)
+        ended = [st for st in partial.states if st.status.terminal]
+        note = {"error": f"{type(e).__name__}: {e}",  # num_unfinished: arrived but not ended
+                "num_unfinished": len(partial.states) - len(ended)}
+        with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+            write_run_dir(cfg, RunResult(ended, partial.steps, partial.end_s, partial.wall_s), out_dir,
+                          backend_label, note, run_status=INTERRUPTED, plots=False)
+        raise
     return write_run_dir(cfg, result, out_dir, backend_label)
 
 
 def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backend_label: str | None = None,
-                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Metrics, the DESIGN section 8 files (plus outputs.jsonl for the engine, plots if enabled) and config.yaml."""
+                  extra: Mapping[str, Any] | None = None, run_status: str = COMPLETE,
+                  plots: bool | None = None) -> dict[str, Any]:
+    """Metrics, the DESIGN section 8 files (plus outputs.jsonl for the engine), config.yaml and timing.json
+    through ``core.output.write_run`` (atomic, metrics.json last, stale run files removed), then plots if enabled
+    (``plots`` overrides ``output.plots``). metrics.json holds no wall-clock fact: timing.json has ``wall_s`` and
+    ``sim_s_per_wall_s``. ``run_status``: ``complete``, or ``running`` / ``interrupted`` for partial results."""
     from core.metrics import summarize
-    from core.output import write_run
 
     spec = model_spec(cfg)
     label = backend_label or cfg.backend.name
     metrics = summarize(result.states, **metrics_options(cfg, spec))
-    metrics.update(backend=label, wall_s=result.wall_s, num_steps=len(result.steps),
-                   sim_s_per_wall_s=result.end_s / result.wall_s if result.wall_s > 0 else None, **(extra or {}))
+    metrics.update(backend=label, num_steps=len(result.steps), **(extra or {}))
     if label == "engine":
         metrics["engine_clock"] = engine_clock(cfg)
-    out = Path(out_dir)
-    write_run(out, result.states, result.steps, metrics)
+    timing = {"wall_s": result.wall_s,
+              "sim_s_per_wall_s": result.end_s / result.wall_s if result.wall_s > 0 else None}
+    files: dict[str, str] = {"config.yaml": config_yaml(cfg)}
     if cfg.backend.name == "engine":
-        from engine.outputs import write_outputs
+        from engine.outputs import outputs_jsonl
 
-        write_outputs(out / "outputs.jsonl", result.states, spec, int(cfg.seed))
-    if cfg.output.plots:
-        from experiments import plots
+        files["outputs.jsonl"] = outputs_jsonl(result.states, spec, int(cfg.seed))
+    out = Path(out_dir)
+    write_run(out, result.states, result.steps, metrics, files, timing=timing, run_status=run_status)
+    if (cfg.output.plots if plots is None else plots) and run_status == COMPLETE:
+        from experiments import plots as plotting
 
-        plots.plot_run(out)
-    save_config(cfg, out)
+        plotting.plot_run(out)
     return metrics
 
 
-def save_config(cfg: DictConfig, out_dir: Path) -> None:
+def config_yaml(cfg: DictConfig) -> str:
     try:
-        text = OmegaConf.to_yaml(cfg, resolve=True)
+        return OmegaConf.to_yaml(cfg, resolve=True)
     except Exception:  # an unresolvable key (e.g. ``???``) still leaves a readable record
-        text = OmegaConf.to_yaml(cfg)
-    (out_dir / "config.yaml").write_text(text)
+        return OmegaConf.to_yaml(cfg)
+
+
+def save_config(cfg: DictConfig, out_dir: Path) -> None:
+    (out_dir / "config.yaml").write_text(config_yaml(cfg))
 
 
 def replay(cfg: DictConfig, recording: str | Path, out_dir: str | Path) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`python -m experiments.serve`: our engine (any ``model=``, scheduler, eviction, router, replicas) behind an
-OpenAI-compatible server on the wall clock. The run directory gets the usual run files, written every
-``serve.flush_interval_s`` and at shutdown, so a served session is analysed, replayed and calibrated like any run.
+OpenAI-compatible server on the wall clock. The run directory gets the usual run files, written at shutdown, so a
+served session is analysed, replayed and calibrated like any run; every ``serve.flush_interval_s`` while serving,
+a snapshot is written as ``.partial`` files beside a metrics.json whose ``run_status`` is ``running``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core.loop import RunResult, ServingLoop
+from core.output import COMPLETE, RUNNING
 from core.realtime import RealTimeClock
 from core.request import SamplingParams
 from experiments.build import CONF_DIR, build_executors, instantiate_group, model_spec, replicas_for
@@ -61,8 +63,9 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
             states, steps = bridge.records()
         else:  # stopped: its state is ours to read
             states, steps = [s for s in loop.states if s.status.terminal], list(loop.steps)
+        # while serving: a snapshot (run_status "running", data files named .partial); at shutdown: complete
         write_run_dir(cfg if final else _without_plots(cfg), RunResult(states, steps, bridge.now(), bridge.now()),
-                      out_dir)
+                      out_dir, run_status=COMPLETE if final else RUNNING)
 
     async def flush_periodically() -> None:
         while True:

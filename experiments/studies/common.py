@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.checks import check_choice
-from core.output import read_metrics
+from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR
 from experiments.overrides import apply_overrides
 from experiments.runs import run as run_config
@@ -67,7 +67,7 @@ def run_variants(cfg: DictConfig, variants: Mapping[str, Sequence[str]], out_dir
         results[label] = read_metrics(sub / "metrics.json")
         m = results[label]
         print(f"[study] {label}: {m['num_completed']}/{m['num_requests']} completed, goodput "
-              f"{fmt(m.get('goodput_rps'))} req/s, wall {fmt(m.get('wall_s'))} s", flush=True)
+              f"{fmt(m.get('goodput_rps'))} req/s, wall {fmt(read_timing(sub).get('wall_s'))} s", flush=True)
     return results
 
 

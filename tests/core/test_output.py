@@ -106,8 +106,8 @@ def test_metrics_json_sorted_and_null_for_nan(tmp_path):
     p = write_run(tmp_path, [], [], {"z": float("nan"), "a": {"y": np.float64(1.5), "b": [np.int64(2), float("inf")]},
                                      "status": Status.FINISHED})
     text = p["metrics.json"].read_text()
-    assert text == json.dumps({"a": {"b": [2, None], "y": 1.5}, "status": "FINISHED", "z": None}, indent=2,
-                              sort_keys=True) + "\n"
+    assert text == json.dumps({"a": {"b": [2, None], "y": 1.5}, "run_status": "complete", "status": "FINISHED",
+                               "z": None}, indent=2, sort_keys=True) + "\n"
     assert read_requests_csv(p["requests.csv"])["id"].size == 0
 
 
@@ -121,3 +121,64 @@ def test_extra_file_names_stay_inside(tmp_path):
 @given(st.floats(allow_nan=False, allow_infinity=False))
 def test_float_cells_round_trip_exactly(x):
     assert float(fmt(x)) == x
+
+
+def _names(d):
+    return {p.name for p in d.iterdir()}
+
+
+def test_a_crash_mid_write_leaves_no_file_that_reads_as_complete(tmp_path, monkeypatch):
+    """The CSV writer dies after two rows of requests.csv (Ctrl-C while writing): the truncated file is kept only as
+    requests.csv.partial, metrics.json says interrupted, and the previous run's files in the directory are gone."""
+    import core.output as output
+
+    run_dir = tmp_path / "run"
+    _write(tmp_path, "run")  # a complete earlier run
+    (run_dir / "step_timeline.png").write_bytes(b"old plot")
+    real, rows = output.request_row, []
+
+    def dying_row(state):
+        if len(rows) == 2:
+            raise KeyboardInterrupt
+        rows.append(state.id)
+        return real(state)
+
+    monkeypatch.setattr(output, "request_row", dying_row)
+    states = _states()
+    with pytest.raises(KeyboardInterrupt):
+        write_run(run_dir, states, _steps(), summarize(states))
+    assert _names(run_dir) == {"requests.csv.partial", "metrics.json"}
+    assert (run_dir / "requests.csv.partial").read_text().splitlines()[0].startswith("id,replica")
+    m = read_metrics(run_dir / "metrics.json")
+    assert m["run_status"] == "interrupted" and "KeyboardInterrupt" in m["error"]
+    assert m["partial_files"] == ["requests.csv.partial"]
+
+
+def test_a_reused_directory_keeps_no_stale_run_file(tmp_path):
+    """A second run into the same directory: the first run's files are removed first (a measured run has no
+    steps.csv, so an old one would be read as its steps); other files and subdirectories (.hydra) stay."""
+    from experiments.bench_format import write_measured_run
+
+    run_dir = tmp_path / "run"
+    _write(tmp_path, "run")
+    (run_dir / "timing.json").write_text("{}")
+    (run_dir / "latency_cdfs.png").write_bytes(b"old plot")
+    (run_dir / ".hydra").mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    states = _states()[:1]
+    write_measured_run(run_dir, states, summarize(states), timing={"wall_s": 1.5})
+    assert _names(run_dir) == {"requests.csv", "tokens.csv", "metrics.json", "timing.json", ".hydra", "notes.txt"}
+    assert read_requests_csv(run_dir / "requests.csv")["id"].tolist() == ["a"]
+    assert json.loads((run_dir / "timing.json").read_text()) == {"wall_s": 1.5}
+
+
+def test_a_snapshot_is_partial_until_the_complete_write(tmp_path):
+    """A server's periodic flush: data files named .partial, run_status running; the final write replaces them."""
+    states = _states()
+    paths = write_run(tmp_path, states, _steps(), summarize(states), run_status="running")
+    assert set(paths) == {"requests.csv.partial", "tokens.csv.partial", "steps.csv.partial", "metrics.json"}
+    assert read_metrics(paths["metrics.json"])["run_status"] == "running"
+    write_run(tmp_path, states, _steps(), summarize(states))
+    assert _names(tmp_path) == {"requests.csv", "tokens.csv", "steps.csv", "metrics.json"}
+    with pytest.raises(ValueError, match="run_status"):
+        write_run(tmp_path, states, _steps(), {}, run_status="done")

@@ -7,6 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR
 from experiments.runs import run
 
@@ -54,8 +55,39 @@ def test_same_seed_same_bytes(tmp_path, extra):
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         run(cfg_with(*SMALL, "seed=3", *extra), d)
-    for name in ("requests.csv", "tokens.csv", "steps.csv"):
+    for name in ("requests.csv", "tokens.csv", "steps.csv", "metrics.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
+    # wall-clock facts live apart, in timing.json; metrics.json says the run is complete
+    assert "wall_s" not in (a / "metrics.json").read_text()
+    assert read_timing(a)["wall_s"] > 0 and read_timing(a)["sim_s_per_wall_s"] > 0
+    assert read_metrics(a / "metrics.json")["run_status"] == "complete"
+
+
+def test_an_interrupted_run_says_so_and_keeps_partial_files(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of a run: the requests that ended are kept as .partial files, metrics.json says
+    interrupted, and no file named requests.csv claims a complete run (not even the previous run's)."""
+    run(cfg_with(*SMALL), tmp_path)  # a complete earlier run in the same directory
+    from core.loop import ServingLoop
+
+    original, calls = ServingLoop._terminal, []
+
+    def stop_after_five(self, state, now):
+        original(self, state, now)
+        calls.append(state.id)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ServingLoop, "_terminal", stop_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg_with(*SMALL), tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert not names & {"requests.csv", "tokens.csv", "steps.csv"}
+    assert {"requests.csv.partial", "tokens.csv.partial", "steps.csv.partial", "metrics.json"} <= names
+    m = read_metrics(tmp_path / "metrics.json")
+    assert m["run_status"] == "interrupted" and "KeyboardInterrupt" in m["error"]
+    assert m["num_requests"] == 5 and m["num_unfinished"] >= 1  # arrived, not ended when it stopped
+    assert len((tmp_path / "requests.csv.partial").read_text().splitlines()) == 1 + 5
+    assert not [n for n in names if n.startswith(".writing-")]
 
 
 def test_plots_are_written(tmp_path):
