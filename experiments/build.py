@@ -33,11 +33,7 @@ LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
     """The model group, or the config.json of ``model.path`` when a checkpoint directory is given."""
-    m = OmegaConf.to_container(cfg.model, resolve=True)
-    if m.get("path"):
-        spec = ModelSpec.from_pretrained(m["path"])
-        return ModelSpec.from_mapping({**spec.to_dict(), "dtype": m.get("dtype") or spec.dtype})
-    return ModelSpec.from_mapping(m)
+    return ModelSpec.from_config(OmegaConf.to_container(cfg.model, resolve=True))
 
 
 def hardware_spec(cfg: DictConfig) -> HardwareSpec:
@@ -71,10 +67,7 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
     block_size = check_int(kv.block_size, "kv.block_size", 1, whole_float=True)
     if kv.num_blocks is not None:
         return check_int(kv.num_blocks, "kv.num_blocks", whole_float=True)
-    dtype = cfg.backend.get("dtype") if cfg.backend.name == "engine" else None
-    if dtype and dtype != spec.dtype:  # the engine allocates KV (and keeps weights) in backend.dtype
-        check_choice(dtype, "backend.dtype", arithmetic.DTYPE_BYTES)
-        spec = ModelSpec.from_mapping({**spec.to_dict(), "dtype": dtype})
+    spec = stored_spec(cfg, spec)
     per_block = arithmetic.kv_bytes_per_block(spec, block_size, kv_bits(cfg))
     budget = kv.memory_bytes
     if budget is None:
@@ -87,6 +80,65 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
     if blocks < 1:
         raise ValueError(f"kv.memory_bytes={budget:.3g} holds no block of {per_block:.3g} bytes")
     return blocks
+
+
+def stored_spec(cfg: DictConfig, spec: ModelSpec) -> ModelSpec:
+    """``spec`` in the dtype its KV and weights are stored in: ``backend.dtype`` on the engine when it overrides the
+    model's."""
+    dtype = cfg.backend.get("dtype") if cfg.backend.name == "engine" else None
+    if dtype and dtype != spec.dtype:  # the engine allocates KV (and keeps weights) in backend.dtype
+        check_choice(dtype, "backend.dtype", arithmetic.DTYPE_BYTES)
+        spec = ModelSpec.from_mapping({**spec.to_dict(), "dtype": dtype})
+    return spec
+
+
+def check_memory(cfg: DictConfig, spec: ModelSpec, num_blocks: int, num_replicas: int,
+                 available: int | None = None) -> None:
+    """Refuse, before anything is built, a config whose memory cannot fit this machine, naming the key: every
+    replica's KV bookkeeping once all its blocks have been used (``core.resources``) plus, for the engine, the
+    weights and each replica's KV tensors (against the GPU's free memory when ``backend.device`` is cuda).
+    ``available``: free host bytes (default: read from the OS; no check when it cannot be read)."""
+    from core.resources import REPLICA_BYTES, available_memory_bytes, block_bookkeeping_bytes, gb
+
+    kv = cfg.kv
+    if kv.get("num_blocks") is not None:
+        key, shown = "kv.num_blocks", kv.num_blocks
+    elif kv.get("memory_bytes") is not None:
+        key, shown = "kv.memory_bytes", kv.memory_bytes
+    else:
+        key, shown = "kv.memory_fraction", f"{kv.memory_fraction} ({num_blocks} blocks)"
+    # (where, bytes per block, bytes per replica besides its blocks, bytes once, bytes free)
+    checks = [("host memory", float(block_bookkeeping_bytes()), float(REPLICA_BYTES), 0.0,
+               available_memory_bytes() if available is None else available)]
+    if cfg.backend.name == "engine":
+        stored = stored_spec(cfg, spec)
+        tensor = arithmetic.kv_bytes_per_block(stored, int(kv.block_size), kv_bits(cfg))
+        weights = arithmetic.weight_bytes(stored, *weight_format(cfg))
+        device = str(cfg.backend.get("device", "cpu"))
+        if device.startswith("cuda"):
+            checks.append(("GPU memory", tensor, 0.0, weights, _gpu_free(device)))
+        else:
+            where, per_block, per_replica, _, free = checks[0]
+            checks[0] = (where, per_block + tensor, per_replica, weights, free)
+    for where, per_block, per_replica, once, free in checks:
+        need = num_replicas * (num_blocks * per_block + per_replica) + once
+        if free is None or need <= free:
+            continue
+        fit = max(0, int(((free - once) / num_replicas - per_replica) // per_block))
+        raise ValueError(f"{key}={shown} with replicas={num_replicas} needs ~{gb(need)} of {where} "
+                         f"({per_block:.0f} bytes per KV block per replica once the pool is used) but {gb(free)} "
+                         f"is available: lower {key} (~{fit} blocks per replica fit) or replicas")
+
+
+def _gpu_free(device: str) -> int | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    except Exception:  # noqa: BLE001 - no estimate rather than a failed start
+        return None
 
 
 def _without(node: DictConfig, keys) -> DictConfig:
@@ -180,6 +232,7 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
                              request_timeout_s=cfg.request_timeout_s, vocab_size=spec.vocab_size,
                              eos_token_ids=frozenset(spec.eos_token_ids), ignore_eos=not stop_at_eos)
     n = check_int(cfg.replicas, "replicas", 1, whole_float=True)
+    check_memory(cfg, spec, num_blocks, n)
     check_bool(cfg.kv.prefix_caching, "kv.prefix_caching")
     sched_node, block_size = _without(sched, LIMIT_KEYS), check_int(cfg.kv.block_size, "kv.block_size", 1,
                                                                     whole_float=True)

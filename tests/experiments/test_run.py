@@ -132,3 +132,34 @@ def test_checkpoint_directory_as_model_option(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert checkpoint_paths_to_overrides([f"model={tmp_path}", "model=tiny"]) == [
         f"model.path={Path(tmp_path).resolve()}", "model=tiny"]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["kv.num_blocks=1000000000000"], "kv.num_blocks=1000000000000 with replicas=1"),
+    (["replicas=1000000"], "kv.memory_fraction=.* with replicas=1000000"),
+    (["kv.memory_bytes=1e17"], "kv.memory_bytes"),
+    (["backend=engine", "model=tiny", "kv.num_blocks=1000000000"], "kv.num_blocks"),
+])
+def test_a_config_that_cannot_fit_is_refused_at_once(tmp_path, overrides, key):
+    """Estimated before anything is built: seconds, not minutes followed by an out-of-memory kill."""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=f"{key}.*host memory.*lower kv"):
+        run(cfg_with(*SMALL, *overrides), tmp_path)
+    assert time.perf_counter() - t0 < 5
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_memory_estimate_counts_blocks_replicas_and_engine_tensors():
+    from core.resources import block_bookkeeping_bytes
+    from experiments.build import check_memory, model_spec
+
+    cfg = cfg_with(*SMALL)
+    per_block = block_bookkeeping_bytes()
+    check_memory(cfg, model_spec(cfg), 1_000_000, 4, available=4 * 1_000_000 * per_block + 10**6)  # fits
+    with pytest.raises(ValueError, match="replicas=4"):
+        check_memory(cfg, model_spec(cfg), 1_000_000, 4, available=3 * 1_000_000 * per_block)
+    engine = cfg_with(*SMALL, "backend=engine", "model=tiny")
+    with pytest.raises(ValueError, match="host memory"):  # the KV tensors count for the CPU engine
+        check_memory(engine, model_spec(engine), 10_000, 1, available=10_000 * per_block + 10**6)
