@@ -111,6 +111,16 @@ class ModelSpec:
         )
 
     @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> ModelSpec:
+        """A ``model`` config group: the checkpoint's config.json when ``path`` is set (the group's ``dtype``, when
+        it sets one, overrides the checkpoint's), else the group's own fields. Every consumer of a model config
+        (pool sizing, the engine, cost models, metrics) goes through this, so they all see the same shapes."""
+        if cfg.get("path"):
+            spec = cls.from_pretrained(cfg["path"])
+            return cls.from_mapping({**spec.to_dict(), "dtype": cfg.get("dtype") or spec.dtype})
+        return cls.from_mapping(cfg)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():

@@ -93,9 +93,10 @@ def _num(v: float | None, pct: bool = False) -> str:
     return f"{v:+.1%}" if pct else f"{v:.4g}"
 
 
-def errors_markdown(rows: Sequence[Mapping[str, Any]], title: str = "sim vs engine") -> str:
-    lines = [f"### {title}", "", "| metric | percentile | engine | sim | rel. error (sim - engine) / engine |",
-             "|---|---|---|---|---|"]
+def errors_markdown(rows: Sequence[Mapping[str, Any]], title: str = "sim vs engine", reference: str = "engine") -> str:
+    """``reference``: what the measured column is (the engine, or a black box's label)."""
+    header = f"| metric | percentile | {reference} | sim | rel. error (sim - {reference}) / {reference} |"
+    lines = [f"### {title}", "", header, "|---|---|---|---|---|"]
     lines += [f"| {r['metric']} | {r['percentile']} | {_num(r['engine'])} | {_num(r['sim'])} | "
               f"{_num(r['rel_error'], True)} |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -237,7 +238,7 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     rows = percentile_errors(measured, sim, list(c.metrics), list(c.percentiles))
     summary["errors"] = rows
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "errors.md").write_text(errors_markdown(rows, title="sim vs measured"))
+    (out / "errors.md").write_text(errors_markdown(rows, title="sim vs measured", reference="measured"))
     summary["metrics"] = {"measured": _headline(measured), "sim": _headline(sim)}
     summary["plots"] = {}
     if plots_too:

@@ -23,7 +23,7 @@ from core.batch import StepFeatures
 from core.checks import check_keys
 from core.records import StepRecord
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost.base import CostModel
+from sim.cost.base import CostModel, as_model_spec
 from sim.cost.linear import TARGET as LINEAR_TARGET
 from sim.cost.linear import LinearCostModel
 from sim.cost.roofline import RooflineCostModel
@@ -371,6 +371,8 @@ def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | No
         raise ValueError(f"{path}: expected a mapping, got {type(cfg).__name__}")
     fitted_for = cfg.pop("fitted_for", None) or {}
     for key, given in (("model", model), ("hardware", hardware)):
+        if key == "model" and isinstance(given, Mapping) and given.get("path"):
+            given = as_model_spec(given)  # a checkpoint's name is its directory's, as calibrate recorded it
         name = getattr(given, "name", None) or (given.get("name") if isinstance(given, Mapping) else None)
         if fitted_for.get(key) and name and name != fitted_for[key] and not allow_mismatch:
             raise ValueError(f"cost_model.path={str(path)!r} was fitted for {key}={fitted_for[key]}, this run has "

@@ -30,7 +30,7 @@ def _plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def as_model_spec(m: ModelSpec | Mapping[str, Any]) -> ModelSpec:
-    return m if isinstance(m, ModelSpec) else ModelSpec.from_mapping(_plain(m))
+    return m if isinstance(m, ModelSpec) else ModelSpec.from_config(_plain(m))
 
 
 def as_hardware_spec(h: HardwareSpec | Mapping[str, Any]) -> HardwareSpec:

@@ -209,3 +209,21 @@ def test_linear_prefill_context_term_by_hand():
     # a 10-token chunk after 30 cached tokens: 1 ms + 10 x 10 us + 30 x 2 us
     assert cm.step_time(prefill_features(10, cached=30)) == pytest.approx(1e-3 + 1e-4 + 6e-5)
     assert cm.step_time(decode_features(4, 100)) == pytest.approx(1e-3)
+
+
+def test_a_checkpoint_path_gives_the_cost_model_the_checkpoints_shapes(tmp_path):
+    """model=DIR keeps the default group's other keys (name, sizes); every consumer must read config.json instead."""
+    import json
+
+    from experiments.build import CONF_DIR
+    from sim.cost.base import as_model_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048,
+        "torch_dtype": "float32"}))
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model.path={tmp_path}", "cost_model=roofline"])
+    spec = as_model_spec(cfg.model)
+    assert (spec.hidden_size, spec.num_layers, spec.vocab_size, spec.name) == (512, 4, 32000, tmp_path.name)
+    assert instantiate(cfg.cost_model).model.hidden_size == 512
