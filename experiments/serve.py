@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import hydra
@@ -57,15 +58,24 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     app.add_routes(server.routes())
     tasks: dict[str, asyncio.Task] = {}
 
+    write_lock, finished = threading.Lock(), []
+
     def write(final: bool) -> None:
-        bridge = server.bridge
-        if bridge.thread.is_alive():
-            states, steps = bridge.records()
-        else:  # stopped: its state is ours to read
-            states, steps = [s for s in loop.states if s.status.terminal], list(loop.steps)
-        # while serving: a snapshot (run_status "running", data files named .partial); at shutdown: complete
-        write_run_dir(cfg if final else _without_plots(cfg), RunResult(states, steps, bridge.now(), bridge.now()),
-                      out_dir, run_status=COMPLETE if final else RUNNING)
+        # one writer at a time: a flush whose task was cancelled at shutdown still runs in its thread, and must
+        # neither interleave with the final write nor land after it
+        with write_lock:
+            if finished:
+                return
+            bridge = server.bridge
+            if bridge.thread.is_alive():
+                states, steps = bridge.records()
+            else:  # stopped: its state is ours to read
+                states, steps = [s for s in loop.states if s.status.terminal], list(loop.steps)
+            # while serving: a snapshot (run_status "running", data files named .partial); at shutdown: complete
+            write_run_dir(cfg if final else _without_plots(cfg), RunResult(states, steps, bridge.now(), bridge.now()),
+                          out_dir, run_status=COMPLETE if final else RUNNING)
+            if final:
+                finished.append(True)
 
     async def flush_periodically() -> None:
         while True:

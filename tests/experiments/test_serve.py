@@ -180,16 +180,19 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
         while s.metric("kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.metric("kv_cache_usage_perc") == 0.0
-        def flushed() -> int:  # requests in the run files written while serving (every 0.5 s)
+        def flushed() -> dict:  # metrics.json written while serving (every 0.5 s; {} between two renames)
             try:
-                return json.loads((tmp_path / "run" / "metrics.json").read_text())["num_requests"]
+                return json.loads((tmp_path / "run" / "metrics.json").read_text())
             except (OSError, ValueError):
-                return 0
+                return {}
 
         deadline = time.monotonic() + 15
-        while flushed() < 2 and time.monotonic() < deadline:
+        snapshot = flushed()
+        while snapshot.get("num_requests", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert flushed() >= 2  # the cancelled and the finished request
+            snapshot = flushed()
+        assert snapshot["num_requests"] >= 2  # the cancelled and the finished request
+        assert snapshot["run_status"] == "running"  # a snapshot: its data files are named .partial
         # SIGTERM while a request streams: it is drained (finishes), files are written, the process exits
         last = client.completions.create(model=str(ckpt), prompt=[10] * 5, max_tokens=30, stream=True,
                                          extra_body={"ignore_eos": True})
@@ -204,6 +207,7 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["counts_by_status"]["CANCELLED"] == 1 and metrics["counts_by_status"]["FINISHED"] == 2
     assert (tmp_path / "run" / "steps.csv").stat().st_size > 0
+    assert metrics["run_status"] == "complete" and not list((tmp_path / "run").glob("*.partial"))
 
 
 def test_loadgen_agrees_with_the_servers_own_records(ckpt, tmp_path):
