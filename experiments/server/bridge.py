@@ -141,11 +141,11 @@ class LoopThread:
                 if stream is not None:
                     out.append((stream.queue, TokenEvent(ch.state.output_token_ids[-1], now)))
                     stream.delivered += 1
+        self._refresh()  # before the tokens go out: a client that sees a token sees the load it came with
         if out:
             self.aio.call_soon_threadsafe(_deliver, out)
         if self.metrics is not None:
             self.metrics.on_step(batch, record)
-        self._refresh()
 
     def _on_terminal(self, state: RequestState, now: float) -> None:
         stream = self.streams.pop(state.id, None)
