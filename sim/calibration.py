@@ -287,18 +287,23 @@ def fit_roofline(features: Sequence[Measurement], durations: Sequence[float] | n
     return fitted, report(priced, features, y, labels)
 
 
+def _folds(n: int, folds: int, seed: int):
+    """(train, test) index arrays of k folds over a fixed random permutation of ``n`` rows."""
+    if not 2 <= folds <= n:
+        raise ValueError(f"folds={folds}; allowed: 2..{n} (number of measurements)")
+    fold = np.empty(n, dtype=int)
+    fold[np.random.default_rng(seed).permutation(n)] = np.arange(n) % folds
+    for k in range(folds):
+        yield np.flatnonzero(fold != k), np.flatnonzero(fold == k)
+
+
 def cross_validate(fit: Callable[[list[Measurement], np.ndarray], CostModel], features: Sequence[Measurement],
                    durations: Sequence[float] | np.ndarray, folds: int = 5, seed: int = CV_SEED) -> np.ndarray:
     """Held-out signed relative errors, one per measurement: k folds of a fixed random permutation; ``fit`` maps
     (training measurements, durations) to the cost model that prices the held-out fold."""
     y = _durations(durations, len(features))
-    if not 2 <= folds <= len(y):
-        raise ValueError(f"folds={folds}; allowed: 2..{len(y)} (number of measurements)")
-    fold = np.empty(len(y), dtype=int)
-    fold[np.random.default_rng(seed).permutation(len(y))] = np.arange(len(y)) % folds
     rel = np.empty(len(y))
-    for k in range(folds):
-        train, test = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
+    for train, test in _folds(len(y), folds, seed):
         cost = fit([features[i] for i in train], y[train])
         rel[test] = (predict(cost, [features[i] for i in test]) - y[test]) / y[test]
     return rel
@@ -634,13 +639,8 @@ def cross_validate_requests(samples: Sequence[RequestSample], folds: int = 5, se
                             target: str = "mean") -> np.ndarray:
     """Held-out signed relative errors of ``fit_linear_requests``, one per sample (k folds, as ``cross_validate``)."""
     y = np.array([s.duration_s for s in samples], dtype=float)
-    if not 2 <= folds <= len(y):
-        raise ValueError(f"folds={folds}; allowed: 2..{len(y)} (number of samples)")
-    fold = np.empty(len(y), dtype=int)
-    fold[np.random.default_rng(seed).permutation(len(y))] = np.arange(len(y)) % folds
     rel = np.empty(len(y))
-    for k in range(folds):
-        train, test = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
+    for train, test in _folds(len(y), folds, seed):
         fit = fit_linear_requests([samples[i] for i in train], target=target)
         rel[test] = (fit.predict([samples[i] for i in test]) - y[test]) / y[test]
     return rel
