@@ -18,6 +18,7 @@ from aiohttp import web
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from core.checks import check_float, check_int
 from core.loop import RunResult, ServingLoop
 from core.output import COMPLETE, RUNNING
 from core.realtime import RealTimeClock
@@ -31,11 +32,8 @@ from experiments.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 
-def _positive(cfg: DictConfig, key: str) -> float:
-    v = cfg.serve[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-        raise ValueError(f"serve.{key} must be a positive number, got {v!r}")
-    return float(v)
+def _seconds(cfg: DictConfig, key: str) -> float:
+    return check_float(cfg.serve[key], f"serve.{key}", 0.0, strict=True)
 
 
 def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
@@ -43,8 +41,8 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     from engine.tokenizer import load_tokenizer
 
     spec = model_spec(cfg)
-    max_waiting = int(_positive(cfg, "max_waiting"))
-    drain_s, flush_s = _positive(cfg, "drain_timeout_s"), _positive(cfg, "flush_interval_s")
+    max_waiting = check_int(cfg.serve.max_waiting, "serve.max_waiting", 1)
+    drain_s, flush_s = _seconds(cfg, "drain_timeout_s"), _seconds(cfg, "flush_interval_s")
     name = cfg.serve.model_name or cfg.model.get("path") or spec.name
     b = cfg.backend
     default_sampling = SamplingParams(float(b.get("temperature", 0.0)), float(b.get("top_p", 1.0)),
@@ -118,7 +116,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> None:
     print(f"serving {cfg.serve.model_name or cfg.model.get('path') or cfg.model.name} on http://{host}:{port} "
           f"(run files: {out_dir})", flush=True)
     web.run_app(app, host=host, port=port, handler_cancellation=True,
-                shutdown_timeout=_positive(cfg, "drain_timeout_s"), print=None, access_log=None)
+                shutdown_timeout=_seconds(cfg, "drain_timeout_s"), print=None, access_log=None)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="serve", version_base="1.3")

@@ -48,3 +48,18 @@ def test_prompts():
     assert e.value.status == 400
     with pytest.raises(APIError, match="messages"):
         chat_prompt({"messages": []}, NoTemplate())
+
+
+@pytest.mark.parametrize("override,key", [("serve.max_waiting=0", "serve.max_waiting"),
+                                          ("serve.drain_timeout_s=-1", "serve.drain_timeout_s"),
+                                          ("serve.flush_interval_s=soon", "serve.flush_interval_s")])
+def test_bad_serve_settings_fail_at_start_naming_the_key(override, key, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.build import CONF_DIR
+    from experiments.serve import build_app
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("serve", overrides=["backend=sim", override])
+    with pytest.raises(ValueError, match=key):
+        build_app(cfg, tmp_path)
