@@ -35,7 +35,6 @@ class RealTimeClock:
         self._inbox: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cond = threading.Condition()
         self._stop = False
-        self.thread: threading.Thread | None = None
 
     @property
     def now(self) -> float:
@@ -72,7 +71,6 @@ class RealTimeClock:
     def run(self, processes: list[Process], until_idle: bool = False) -> None:
         """Run ``processes`` (and those they start) until ``stop()``; with ``until_idle``, also return once no
         process is due and no call is pending (every replica idle, arrivals done: a workload run's end)."""
-        self.thread = threading.current_thread()
         for p in processes:
             self.start(p)
         while True:

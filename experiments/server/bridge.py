@@ -111,9 +111,6 @@ class LoopThread:
     def now(self) -> float:
         return self.clock.now
 
-    def call(self, fn) -> Future:
-        return self.clock.call(fn)
-
     def stop(self, timeout_s: float = 10.0) -> None:
         self.clock.stop()
         self.thread.join(timeout_s)
