@@ -90,7 +90,7 @@ class ServingLoop:
     """
 
     def __init__(self, replicas: Sequence[Replica], executors: Sequence[Executor], router: Router,
-                 workload: Workload, keep_batches: bool = False) -> None:
+                 workload: Workload, keep_batches: bool = False, frontend_delay_s: float = 0.0) -> None:
         if len(replicas) != len(executors) or not replicas:
             raise ValueError(f"need one executor per replica, got {len(replicas)} replicas, {len(executors)} executors")
         self.replicas = list(replicas)
@@ -98,6 +98,9 @@ class ServingLoop:
         self.router = router
         self.workload = workload
         self.keep_batches = keep_batches
+        # A server's front end (HTTP, tokenisation) between a request's arrival and its dispatch to a replica: a
+        # simulation of a measured server adds it; arrival times (and so TTFT) stay the client's.
+        self.frontend_delay_s = frontend_delay_s
         self.states: list[RequestState] = []
         self.steps: list[StepRecord] = []
         self.batches: list[Batch] = []
@@ -142,14 +145,15 @@ class ServingLoop:
         return state
 
     def _arrivals(self) -> Process:
-        clock = self.clock
+        clock, delay = self.clock, self.frontend_delay_s
         for req in self.workload.initial():
-            if req.arrival_s > clock.now:
-                yield Until(req.arrival_s)
+            due = req.arrival_s + delay if delay else req.arrival_s
+            if due > clock.now:
+                yield Until(due)
             self.dispatch(req)
 
     def _delayed(self, req: Request) -> Process:
-        yield Until(req.arrival_s)
+        yield Until(req.arrival_s + self.frontend_delay_s if self.frontend_delay_s else req.arrival_s)
         self.dispatch(req)
 
     # ---- one replica -----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from core import arithmetic
-from core.checks import check_bool, check_choice, check_int
+from core.checks import check_bool, check_choice, check_float, check_int
 from core.interfaces import Executor, Workload
 from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
@@ -289,7 +289,21 @@ def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
     if replicas is None:
         replicas = replicas_for(cfg)
     executors = make_executors(replicas) if make_executors else build_executors(cfg, model_spec(cfg), replicas)
-    return ServingLoop(replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload))
+    return ServingLoop(replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload),
+                       frontend_delay_s=frontend_delay(cfg))
+
+
+def frontend_delay(cfg: DictConfig) -> float:
+    """``frontend_delay_s``; null: a calibrated simulator's recorded value (a server's per-request time outside its
+    steps), else 0 (our in-process engine has no front end)."""
+    delay = cfg.get("frontend_delay_s")
+    if delay is None:
+        if cfg.backend.name != "sim" or cfg.cost_model.get("_target_") != "sim.calibration.load_calibration":
+            return 0.0
+        from sim.calibration import calibrated_frontend_delay
+
+        return calibrated_frontend_delay(cfg.cost_model.path)
+    return check_float(delay, "frontend_delay_s")
 
 
 def progress_bar(setting: Any) -> bool:

@@ -495,10 +495,11 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     note = (f"model={spec.name} hardware={hw.name} backend={cfg.backend.name}; {len(features)} measurements "
             f"(profile: {paths.get('profile')}, runs: {[str(s) for s in sources]}"
             + (f", request-level runs: {request_info['runs']})\nIsolated TTFTs carry a further "
-               f"{rfit.request_overhead_s * 1e3:.3g} ms per request (HTTP, tokenisation; not in this model: a "
-               "simulated request has none)" if rfit else ")"))
+               f"{rfit.request_overhead_s * 1e3:.3g} ms per request (HTTP, tokenisation): frontend_delay_s, "
+               "which a simulation with this file adds before each request reaches a replica" if rfit else ")"))
     for name, model in models.items():
-        paths[name] = write_calibration(out / f"{name}.yaml", model, reports[name], note, (spec.name, hw.name))
+        paths[name] = write_calibration(out / f"{name}.yaml", model, reports[name], note, (spec.name, hw.name),
+                                        rfit.request_overhead_s if rfit else None)
     summary: dict[str, Any] = {name: rep.to_dict() for name, rep in reports.items()}
     summary.update(model=spec.name, hardware=hw.name, backend=cfg.backend.name, num_measurements=len(features),
                    sources=[str(s) for s in sources], profile=str(paths.get("profile")),

@@ -339,10 +339,13 @@ def calibration_dict(cost_model: LinearCostModel | RooflineCostModel) -> dict[st
 
 
 def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCostModel,
-                      fit: FitReport | None = None, note: str = "", fitted_for: tuple[str, str] | None = None) -> Path:
+                      fit: FitReport | None = None, note: str = "", fitted_for: tuple[str, str] | None = None,
+                      frontend_delay_s: float | None = None) -> Path:
     """A YAML usable as a ``conf/cost_model`` option, with a commented summary; the full report (if given) goes
     next to it as ``<stem>.report.json``. ``fitted_for`` = (model name, hardware name) the measurements came from:
-    loading the file for another model or hardware then fails unless the run allows it."""
+    loading the file for another model or hardware then fails unless the run allows it. ``frontend_delay_s``: a
+    server's per-request time outside its steps (fitted from request-level runs), which a simulation with this
+    file adds before each request reaches a replica (``calibrated_frontend_delay``)."""
     path = Path(path)
     header = ["# Calibrated cost model (sim.calibration.write_calibration)."]
     if note:
@@ -358,8 +361,16 @@ def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCo
     body = calibration_dict(cost_model)
     if fitted_for is not None:
         body["fitted_for"] = {"model": fitted_for[0], "hardware": fitted_for[1]}
+    if frontend_delay_s is not None:
+        body["frontend_delay_s"] = float(frontend_delay_s)
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))
     return path
+
+
+def calibrated_frontend_delay(path: str | Path) -> float:
+    """The per-request front-end delay a calibration file records (0 when it has none: a step-level fit)."""
+    cfg = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    return float(cfg.get("frontend_delay_s") or 0.0) if isinstance(cfg, dict) else 0.0
 
 
 def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | None = None,
@@ -375,6 +386,7 @@ def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | No
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a mapping, got {type(cfg).__name__}")
     fitted_for = cfg.pop("fitted_for", None) or {}
+    cfg.pop("frontend_delay_s", None)  # the loop's, not the cost model's (calibrated_frontend_delay)
     for key, given in (("model", model), ("hardware", hardware)):
         if key == "model" and isinstance(given, Mapping) and given.get("path"):
             given = as_model_spec(given)  # a checkpoint's name is its directory's, as calibrate recorded it

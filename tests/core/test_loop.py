@@ -83,3 +83,19 @@ def test_requests_submitted_from_another_thread_are_served_and_the_loop_stops():
         assert r.kv.num_used_blocks == 0
     with pytest.raises(RuntimeError, match="stopped"):
         clock.call(lambda: None).result(timeout=1)
+
+
+def test_frontend_delay_adds_to_ttft_and_nothing_else():
+    """A request reaches its replica frontend_delay_s after arriving: TTFT grows by exactly that (an idle replica),
+    the arrival time and the steps stay the same."""
+    def one(delay):
+        reps = [Replica(0, SarathiScheduler(), KVCacheManager(64, 16, LRUEviction()), SchedulerLimits(64, 8))]
+        loop = ServingLoop(reps, [FormulaExecutor(lambda f: STEP_S)], RoundRobinRouter(),
+                           ListWorkload([Request("a", 0.5, 20, 3), Request("b", 3.0, 10, 2)]), frontend_delay_s=delay)
+        return {s.id: s for s in simulate(loop).states}
+
+    base, late = one(0.0), one(0.25)
+    for rid in ("a", "b"):
+        assert late[rid].request.arrival_s == base[rid].request.arrival_s
+        assert late[rid].first_token_s - base[rid].first_token_s == pytest.approx(0.25)
+        assert late[rid].first_scheduled_s == pytest.approx(base[rid].request.arrival_s + 0.25)
