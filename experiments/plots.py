@@ -116,6 +116,26 @@ def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
         return _save(fig, path)
 
 
+# Axis labels with units for the config keys that sweeps and studies put on an axis; any other key is shown as is.
+AXIS_LABELS = {
+    "scheduler.max_num_batched_tokens": "token budget per step (tokens)",
+    "scheduler.max_num_seqs": "max sequences per step",
+    "workload.arrival.rate_rps": "offered load (req/s)",
+    "workload.num_requests": "requests",
+    "workload.num_clients": "closed-loop clients",
+    "workload.think_time_s": "think time (s)",
+    "replicas": "replicas",
+    "kv.num_blocks": "KV blocks",
+    "kv.block_size": "KV block size (tokens)",
+    "kv.memory_bytes": "KV memory (bytes)",
+}
+
+
+def axis_label(key: str) -> str:
+    """An axis label with its unit for a config key (``AXIS_LABELS``), else the key itself."""
+    return AXIS_LABELS.get(key, key)
+
+
 def lines(ax, x: Sequence[float], ys: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
           markers: bool = True) -> None:
     """Curves sharing an x axis (e.g. latency vs request rate), one per label, with consistent colours."""

@@ -72,3 +72,54 @@ def test_multirun_job_directories_are_job_numbers(tmp_path):
     recorded = yaml.safe_load((sweep / "1" / ".hydra" / "overrides.yaml").read_text())
     assert "scheduler.max_num_batched_tokens=128" in recorded and extra[0] in recorded
     assert read_metrics(sweep / "1" / "metrics.json")["run_status"] == "complete"
+
+
+def _multirun(sweep, *swept):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "experiments.run", "-m", f"hydra.sweep.dir={sweep}", "workload.num_requests=6",
+           "output.plots=false", "output.progress=false", *swept]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=CONF_DIR.parent, timeout=600)
+
+
+def test_three_swept_keys_are_facets_not_dropped(tmp_path):
+    """scheduler x budget x rate: every job is one row of the table and one point of the figure, the rate a facet
+    (it used to be dropped: the last job in directory order won each (scheduler, budget) point)."""
+    sweep = tmp_path / "sweep"
+    _multirun(sweep, "scheduler=sarathi,orca", "scheduler.max_num_batched_tokens=64,256",
+              "workload.arrival.rate_rps=5,60")
+    png = report(sweep)
+    assert png.stat().st_size > 10_000
+    lines = (sweep / "sweep_report.md").read_text().splitlines()
+    assert lines[0].startswith("| workload.arrival.rate_rps | scheduler | scheduler.max_num_batched_tokens |")
+    assert len(lines) == 2 + 8
+    for job in sweep.iterdir():
+        if not (job / "metrics.json").is_file():
+            continue
+        o = dict(s.split("=", 1) for s in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) if "=" in s)
+        goodput = read_metrics(job / "metrics.json")["goodput_rps"]
+        row = (f"| {o['workload.arrival.rate_rps']} | {o['scheduler']} | "
+               f"{float(o['scheduler.max_num_batched_tokens']):g} | ")
+        assert sum(r.startswith(row) and r.endswith(f" {goodput:.4g} |") for r in lines) == 1, row
+    report(sweep, where={"workload.arrival.rate_rps": "60"})  # one facet
+    assert len((sweep / "sweep_report.md").read_text().splitlines()) == 2 + 4
+    assert "workload.arrival.rate_rps" not in (sweep / "sweep_report.md").read_text()
+
+
+def test_jobs_that_no_swept_key_tells_apart_are_refused(tmp_path):
+    overrides = ["scheduler=sarathi", "scheduler.max_num_batched_tokens=64", "workload.num_requests=6",
+                 "output.plots=false"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    for name, extra in (("a/0", []), ("a/1", ["seed=1"]), ("b/0", ["seed=1"])):  # nested job directories
+        job = tmp_path / name
+        run(cfg, job)
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides + extra))
+    with pytest.raises(ValueError, match=r"jobs a/1, b/0 have the same value of every swept key \['seed'"):
+        report(tmp_path)
+    (tmp_path / "b" / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides + ["seed=2"]))
+    report(tmp_path)
+    table = (tmp_path / "sweep_report.md").read_text().splitlines()
+    assert table[0].startswith("| seed | scheduler |") and len(table) == 2 + 3
