@@ -10,6 +10,7 @@ values), published_check.md (the table) and published_scatter.png (predicted vs 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 from core.specs import HardwareSpec, ModelSpec
 from experiments.build import CONF_DIR
 from experiments.plots import COLORS, figure
+from sim.cost.roofline import RooflineCostModel
 from sim.published import READERS, Specs, check
 
 
@@ -73,10 +75,15 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+_DEFAULT = {k: p.default for k, p in inspect.signature(RooflineCostModel).parameters.items()}
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# Roofline vs published GPU measurements", "",
-             "Errors are |predicted − measured| / measured. Default roofline: compute_eff 0.7, bw_eff 0.85, 1 ms "
-             "overhead (0 for Vidur's per-operator rows, compared with the `linear` op group of one layer). "
+             "Errors are |predicted − measured| / measured. Default roofline (`conf/cost_model/roofline.yaml`): "
+             f"compute_eff {_DEFAULT['compute_eff']:g}, bw_eff {_DEFAULT['bw_eff']:g}, "
+             f"{1e3 * _DEFAULT['overhead_s']:g} ms overhead "
+             "(0 for Vidur's per-operator rows, compared with the `linear` op group of one layer). "
              "'derived' rows come from DistServe's published fitted coefficients, not raw measurements.", "",
              "| source | setups | rows | default median | fitted median |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {r['summary']['setups']} | {r['summary']['rows']} | "

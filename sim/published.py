@@ -298,7 +298,7 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
     """Default roofline error, fitted roofline (+ held-out error) and, for whole steps, a fitted linear model;
     ``points`` holds per-row measured and predicted seconds for plots.
 
-    The default roofline is ``conf/cost_model/roofline.yaml``'s (0.7, 0.85, 1 ms); for single-operator data its
+    The default roofline is ``conf/cost_model/roofline.yaml``'s (0.7, 0.75, 1 ms); for single-operator data its
     per-step overhead does not apply and is 0.
     """
     F, y = ds.measurements, ds.seconds

@@ -31,3 +31,17 @@ def test_main_writes_outputs(tmp_path, capsys):
 def test_bad_source_is_rejected(tmp_path):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--sources", "nope"])
+
+
+def test_report_states_the_defaults_the_check_uses():
+    """The report's 'default roofline' sentence is the class defaults check_dataset prices with, which are
+    conf/cost_model/roofline.yaml's (it said bw_eff 0.85 while both were 0.75)."""
+    import yaml
+
+    from experiments.build import CONF_DIR
+    from experiments.published import _DEFAULT, markdown
+
+    conf = yaml.safe_load((CONF_DIR / "cost_model" / "roofline.yaml").read_text())
+    assert {k: conf[k] for k in ("compute_eff", "bw_eff", "overhead_s")} == \
+        {k: _DEFAULT[k] for k in ("compute_eff", "bw_eff", "overhead_s")}
+    assert f"compute_eff {conf['compute_eff']:g}, bw_eff {conf['bw_eff']:g}, 1 ms overhead" in markdown({})
