@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from core import arithmetic
-from core.checks import check_bool, check_choice, check_float, check_int
+from core.checks import check_bool, check_choice, check_float, check_fraction, check_int
 from core.interfaces import Executor, Workload
 from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
@@ -29,6 +29,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BACKENDS = ("sim", "engine")
 ENGINE_CLOCKS = ("auto", "wall", "thread")
 LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")
+PROGRESS_SETTINGS = ("auto", True, False)
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -69,16 +70,21 @@ def num_kv_blocks(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> int:
         return check_int(kv.num_blocks, "kv.num_blocks", whole_float=True)
     spec = stored_spec(cfg, spec)
     per_block = arithmetic.kv_bytes_per_block(spec, block_size, kv_bits(cfg))
-    budget = kv.memory_bytes
-    if budget is None:
+    if kv.memory_bytes is not None:
+        budget = check_float(kv.memory_bytes, "kv.memory_bytes", strict=True)
+        key = f"kv.memory_bytes={kv.memory_bytes!r}"
+    else:
+        fraction = check_fraction(kv.memory_fraction, "kv.memory_fraction")
         weights = arithmetic.weight_bytes(spec, *weight_format(cfg))
-        budget = hw.mem_bytes * kv.memory_fraction - weights
+        budget = hw.mem_bytes * fraction - weights
+        key = f"kv.memory_fraction={kv.memory_fraction!r}"
         if budget <= 0:
-            raise ValueError(f"model {spec.name} ({weights / 1e9:.1f} GB of weights) does not "
-                             f"fit hardware.mem_bytes x kv.memory_fraction; set kv.num_blocks or kv.memory_bytes")
+            raise ValueError(f"{key}: model {spec.name} ({weights / 1e9:.3g} GB of weights) does not fit "
+                             f"hardware.mem_bytes x kv.memory_fraction ({hw.mem_bytes * fraction / 1e9:.3g} GB); "
+                             f"raise it, or set kv.num_blocks or kv.memory_bytes")
     blocks = arithmetic.num_blocks_for_memory(spec, block_size, budget, kv_bits(cfg))
     if blocks < 1:
-        raise ValueError(f"kv.memory_bytes={budget:.3g} holds no block of {per_block:.3g} bytes")
+        raise ValueError(f"{key} leaves {budget:.3g} bytes of KV, which holds no block of {per_block:.3g} bytes")
     return blocks
 
 
@@ -312,15 +318,39 @@ def progress_bar(setting: Any) -> bool:
         import sys
 
         return sys.stderr.isatty()
-    return bool(setting)
+    return check_choice(setting, "output.progress", PROGRESS_SETTINGS)
 
 
 def metrics_options(cfg: DictConfig, spec: ModelSpec) -> dict[str, Any]:
     """summarize() keyword arguments from the ``metrics`` and ``slo`` sections. The prefix work formula's
     coefficients default to the model's FLOPs (per token, per attention pair)."""
-    from core.metrics import prefix_cost_coeffs
+    from core.metrics import PERCENTILE_METHODS, prefix_cost_coeffs
 
     m = cfg.metrics
-    cost = tuple(m.prefix_cost) if m.prefix_cost is not None else prefix_cost_coeffs(spec)
-    return dict(slo=OmegaConf.to_container(cfg.slo, resolve=True), percentile_method=m.percentile_method,
-                prefix_cost=cost, prompt_len_edges=list(m.prompt_len_edges))
+    method = check_choice(m.percentile_method, "metrics.percentile_method", PERCENTILE_METHODS)
+    return dict(slo=OmegaConf.to_container(cfg.slo, resolve=True), percentile_method=method,
+                prefix_cost=_prefix_cost(m.prefix_cost) if m.prefix_cost is not None else prefix_cost_coeffs(spec),
+                prompt_len_edges=_prompt_len_edges(m.prompt_len_edges))
+
+
+def _prefix_cost(value: Any) -> tuple[float, float]:
+    """``metrics.prefix_cost``: [a, b], two finite numbers >= 0."""
+    if not (OmegaConf.is_list(value) or isinstance(value, list | tuple)) or len(value) != 2:
+        raise ValueError(f"metrics.prefix_cost={_shown(value)!r}; allowed: [a, b], two numbers >= 0, or null "
+                         "(the model's FLOPs)")
+    return tuple(check_float(v, f"metrics.prefix_cost[{i}]") for i, v in enumerate(value))  # type: ignore[return-value]
+
+
+def _prompt_len_edges(value: Any) -> list[int]:
+    """``metrics.prompt_len_edges``: increasing positive integers (may be empty)."""
+    shown = _shown(value)
+    ok = OmegaConf.is_list(value) or isinstance(value, list | tuple)
+    edges = [check_int(v, f"metrics.prompt_len_edges[{i}]", 1, whole_float=True) for i, v in enumerate(value)] \
+        if ok else []
+    if not ok or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise ValueError(f"metrics.prompt_len_edges={shown!r}; allowed: a list of increasing positive integers")
+    return edges
+
+
+def _shown(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

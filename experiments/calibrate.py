@@ -47,6 +47,7 @@ from experiments.build import (
     model_spec,
     num_kv_blocks,
 )
+from experiments.cli import user_errors
 from sim.calibration import (
     DEFAULT_TOLERANCE,
     FitReport,
@@ -546,6 +547,7 @@ def describe(cal: Calibration) -> str:
 
 
 @hydra.main(config_path="../conf", config_name="calibrate", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     cal = calibrate(cfg, out)

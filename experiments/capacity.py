@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from core.checks import check_float, check_fraction, check_int
 from experiments.build import CONF_DIR
+from experiments.cli import user_errors
 from experiments.overrides import apply_overrides
 from experiments.runs import run
 
@@ -156,6 +157,7 @@ def describe(result: CapacityResult) -> str:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="capacity", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> float | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     result = capacity(cfg, out)

@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
+from experiments.cli import user_errors
 from experiments.interleave import run_interleaved
 from experiments.overrides import apply_overrides, with_backend, with_calibration
 from experiments.runs import replay, run, same_files
@@ -304,6 +305,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="compare", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     summary = compare(cfg, out)

@@ -18,6 +18,7 @@ from core.batch import StepFeatures
 from core.checks import check_bool, check_fraction, check_int, check_keys
 from core.specs import HardwareSpec, ModelSpec
 from experiments.build import CONF_DIR
+from experiments.cli import user_errors
 from sim.cost.base import as_hardware_spec, as_model_spec, decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 
@@ -158,6 +159,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="estimate", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     result = run(cfg)
     print(json.dumps(result) if cfg.estimate.get("json", False) else format_table(result))

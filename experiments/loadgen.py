@@ -720,9 +720,10 @@ def main() -> None:
     import hydra
 
     from experiments.build import CONF_DIR
+    from experiments.cli import user_errors
 
     # an absolute config path: works as `python -m experiments.loadgen` and as the twinserve-loadgen console script
-    hydra.main(config_path=str(CONF_DIR), config_name="loadgen", version_base="1.3")(_main)()
+    hydra.main(config_path=str(CONF_DIR), config_name="loadgen", version_base="1.3")(user_errors(_main))()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.build import CONF_DIR
+from experiments.cli import user_errors
 from experiments.compare import compare, errors_markdown
 from experiments.overrides import apply_overrides
 
@@ -134,6 +135,7 @@ def pipeline(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="pipeline", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     if not OmegaConf.select(cfg, "pipeline"):

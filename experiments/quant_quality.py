@@ -21,6 +21,7 @@ from core.specs import ModelSpec
 from engine.executor import resolve_kernels
 from engine.quality import QualityReport, QuantSetting, load_prompts, quality_report, synthetic_prompts
 from experiments.build import CONF_DIR, model_spec
+from experiments.cli import user_errors
 
 GROUP_CANDIDATES = (128, 64, 32, 16)  # multiples of 16: what the Triton W4A16 GEMM accepts
 QUALITY_KEYS = ("num_prompts", "prompt_len", "new_tokens", "prompts_file", "seed")
@@ -94,6 +95,7 @@ def write(report: QualityReport, out_dir: str | Path) -> Path:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="quant_study", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     if cfg.backend.get("num_threads"):
         torch.set_num_threads(int(cfg.backend.num_threads))

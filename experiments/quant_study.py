@@ -40,6 +40,7 @@ from engine.attention import allocate_kv_caches
 from engine.executor import EngineExecutor, EngineOptions, build_engine_executors, resolve_kernels
 from engine.quality import QuantSetting
 from experiments.build import CONF_DIR, hardware_spec, model_spec, num_kv_blocks
+from experiments.cli import user_errors
 from experiments.quant_quality import effective, model_dtype, resolve_group_size, run_quality, settings
 from policies.eviction.lru import LRUEviction
 from sim.calibration import fit_roofline
@@ -401,6 +402,7 @@ def summary(r: Mapping[str, Any]) -> str:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="quant_study", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     study(cfg, out)

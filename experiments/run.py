@@ -11,10 +11,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from experiments.build import CONF_DIR
+from experiments.cli import user_errors
 from experiments.runs import run
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+@user_errors
 def _main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
     metrics = run(cfg, out_dir)

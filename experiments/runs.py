@@ -31,10 +31,12 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
     A run stopped early (Ctrl-C, an error while it runs) still writes what it has: the requests that ended, as
     ``.partial`` files beside a metrics.json whose ``run_status`` is ``interrupted`` (``core.output.write_run``);
     then the exception propagates."""
+    metrics_options(cfg, model_spec(cfg))  # its checks fail now, not after the run
     loop = build_loop(cfg, make_executors)
+    progress = progress_bar(cfg.output.progress)
     t0 = time.perf_counter()
     try:
-        result = simulate(loop, progress=progress_bar(cfg.output.progress))
+        result = simulate(loop, progress=progress)
     except BaseException as e:
         partial = loop.result(time.perf_counter() - t0)
         ended = [st for st in partial.states if st.status.terminal]
@@ -44,7 +46,18 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
             write_run_dir(cfg, RunResult(ended, partial.steps, partial.end_s, partial.wall_s), out_dir,
                           backend_label, note, run_status=INTERRUPTED, plots=False)
         raise
+    check_measured(cfg, result)
     return write_run_dir(cfg, result, out_dir, backend_label)
+
+
+def check_measured(cfg: DictConfig, result: RunResult) -> None:
+    """Refuse a run whose requests were all warmup: every metric would be null. (Workloads that know their
+    request count refuse it when built; this catches the ones bounded by time or by a trace.)"""
+    if result.states and all(st.request.warmup for st in result.states):
+        key = next((k for k in ("warmup_requests", "warmup_sessions", "warmup_waves") if k in cfg.workload),
+                   "warmup_requests")
+        raise ValueError(f"workload.{key}={cfg.workload[key]!r}: all {len(result.states)} requests of the run are "
+                         f"warmup, so nothing is measured; lower it below the number of requests")
 
 
 def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backend_label: str | None = None,

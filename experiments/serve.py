@@ -24,6 +24,7 @@ from core.output import COMPLETE, RUNNING
 from core.realtime import RealTimeClock
 from core.request import SamplingParams
 from experiments.build import CONF_DIR, build_executors, instantiate_group, model_spec, replicas_for
+from experiments.cli import user_errors
 from experiments.runs import write_run_dir
 from experiments.server.app import OpenAIServer, ServerSettings, drain
 from experiments.server.bridge import LoopThread, NoArrivals
@@ -120,6 +121,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="serve", version_base="1.3")
+@user_errors
 def _main(cfg: DictConfig) -> None:
     serve(cfg, HydraConfig.get().runtime.output_dir)
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from core.checks import check_choice
 from experiments.build import CONF_DIR
+from experiments.cli import user_errors
 from experiments.runs import save_config
 from experiments.studies.common import scaled
 
@@ -45,6 +46,7 @@ def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="study", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     path = run_study(cfg, HydraConfig.get().runtime.output_dir)
     print(path.read_text())

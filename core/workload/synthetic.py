@@ -40,6 +40,9 @@ class SyntheticWorkload(OpenLoop):
         self.output_len = make_length(output_len, "output_len")
         self.num_requests, self.duration_s = num_requests, duration_s
         self.warmup_requests = check_int(warmup_requests, "workload.warmup_requests", 0)
+        if num_requests is not None and self.warmup_requests >= num_requests:
+            raise ValueError(f"workload.warmup_requests={warmup_requests}: not below workload.num_requests="
+                             f"{num_requests}, so nothing would be measured")
         self.num_tenants = check_int(num_tenants, "workload.num_tenants", 1)
         self.priority = check_int(priority, "workload.priority", -2**31)
         self.seed = check_int(seed, "workload.seed", 0)

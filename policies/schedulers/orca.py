@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core.batch import Batch, Chunk
+from core.checks import check_bool
 from core.interfaces import SchedulerView
 from policies.schedulers.common import admit, fcfs, schedule_running
 
@@ -17,7 +18,7 @@ class OrcaScheduler:
     Without it KV grows per token (paged) and KV exhaustion preempts the newest request (recompute)."""
 
     def __init__(self, reserve: bool = True) -> None:
-        self.reserve = reserve
+        self.reserve = check_bool(reserve, "scheduler.reserve")
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}

@@ -4,6 +4,7 @@ idle and runs until every request in it has finished."""
 from __future__ import annotations
 
 from core.batch import Batch, Chunk
+from core.checks import check_bool
 from core.interfaces import SchedulerView
 from policies.schedulers.common import fcfs, lifetime_tokens, schedule_running
 
@@ -20,7 +21,7 @@ class StaticScheduler:
     token and a member preempted by recompute waits for the next batch."""
 
     def __init__(self, reserve: bool = True) -> None:
-        self.reserve = reserve
+        self.reserve = check_bool(reserve, "scheduler.reserve")
 
     def schedule(self, view: SchedulerView) -> Batch:
         budget = view.limits.max_num_batched_tokens

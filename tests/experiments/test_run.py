@@ -106,6 +106,15 @@ def test_plots_are_written(tmp_path):
     ("kv.prefix_caching=maybe", "prefix_caching"),
     ("request_timeout_s=abc", "request_timeout_s"),
     ("cost_model=calibrated", "cost_model"),
+    ("kv.memory_bytes=lots", "kv.memory_bytes='lots'"),
+    ("kv.memory_fraction=5", "kv.memory_fraction=5"),
+    ("kv.memory_fraction=0.0000001", "kv.memory_fraction=1e-07: model tiny .* does not fit"),
+    ("metrics.prompt_len_edges=abc", "metrics.prompt_len_edges='abc'"),
+    ("metrics.prompt_len_edges=[512,256]", r"metrics.prompt_len_edges=\[512, 256\]"),
+    ("metrics.prefix_cost=[1]", r"metrics.prefix_cost=\[1\]"),
+    ("metrics.percentile_method=mean", "metrics.percentile_method"),
+    ("output.progress=maybe", "output.progress='maybe'"),
+    ("workload.warmup_requests=12", "workload.warmup_requests=12: not below workload.num_requests=12"),
     ("backend=engine", None),
 ])
 def test_bad_config_fails_naming_the_key(tmp_path, override, message):
@@ -119,6 +128,37 @@ def test_bad_config_fails_naming_the_key(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         run(cfg_with(*SMALL, override, *(["cost_model.path=/nope.yaml"] if "calibrated" in override else [])),
             tmp_path)
+
+
+@pytest.mark.parametrize("scheduler", ["orca", "static"])
+def test_scheduler_reserve_must_be_a_bool(tmp_path, scheduler):
+    with pytest.raises(ValueError, match="scheduler.reserve='maybe'; allowed: true or false"):
+        run(cfg_with(*SMALL, f"scheduler={scheduler}", "scheduler.reserve=maybe"), tmp_path)
+
+
+def test_a_run_of_only_warmup_requests_is_refused(tmp_path):
+    """A workload that cannot tell its request count up front (a time bound): refused once the run shows it."""
+    with pytest.raises(ValueError, match="workload.warmup_requests=1000: all .* requests of the run are warmup"):
+        run(cfg_with(*SMALL, "workload.num_requests=null", "workload.duration_s=2", "workload.warmup_requests=1000"),
+            tmp_path)
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_cli_user_error_is_one_line_naming_the_key(tmp_path):
+    """The command line: one line on stderr and exit code 2; HYDRA_FULL_ERROR=1 gives the traceback."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "experiments.run", "kv.memory_bytes=lots", f"hydra.run.dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    short = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert short.returncode == 2
+    assert short.stderr.strip().splitlines() == ["error: kv.memory_bytes='lots'; allowed: a finite number > 0"]
+    full = subprocess.run(cmd, cwd=root, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert full.returncode != 0 and "Traceback" in full.stderr and "kv.memory_bytes='lots'" in full.stderr
 
 
 def test_unknown_group_option_is_a_clear_error():
