@@ -25,7 +25,8 @@ def run(cfg: DictConfig, out: Path) -> Report:
                ("prefill_span_s.p99", "p99 prefill completion (s)", 1.0), ("goodput_rps", "goodput (req/s)", 1.0),
                ("throughput_tok_s", "output throughput (tok/s)", 1.0)]
     rep = Report("Chunk size trade-off: decode stalls vs new requests' first tokens")
-    rep.text(f"Scheduler `{option_name(cfg, 'scheduler')}`, token budget per step (= largest prefill chunk) swept; "
+    rep.text(f"Scheduler `{option_name(cfg, 'scheduler')}`, token budget per step swept (a step's prefill chunk is at "
+             "most the budget minus that step's decode tokens); "
              f"SLO: TTFT <= {cfg.slo.ttft_s} s and max stall <= {cfg.slo.max_stall_s} s. Model {cfg.model.name} on "
              f"{cfg.hardware.name} ({cfg.cost_model._target_.rsplit('.', 1)[-1]}). Stall and ITL columns describe "
              "requests that were decoding; TTFT and prefill completion describe requests that were starting.")

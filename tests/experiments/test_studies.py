@@ -164,3 +164,15 @@ def test_nested_workloads_without_seed_take_the_combinators_seed():
 def test_nested_workload_errors_name_the_part():
     with pytest.raises(ValueError, match=r"workload.parts.x.*rate"):
         build_workload({"_target_": "core.workload.combinators.Mix", "parts": {"x": {**UNIQUE, "rate": 1}}})
+
+
+def test_decode_roofline_weight_reads_include_the_lm_head():
+    """The 'weight reads' time is every weight byte a step streams (weight_bytes counts the LM head: so must it)."""
+    from hydra.utils import instantiate
+
+    from experiments.studies.decode_batch_roofline import decode_features, roofline_rows
+
+    cost = instantiate(study_cfg("decode_batch_roofline").cost_model)
+    row = roofline_rows(cost, [8], [1024], 10**9)[0]
+    t = cost.breakdown(decode_features(8, 1024))
+    assert t["lm_head"] > 0 and row["weights_s"] == pytest.approx(t["linear"] + t["lm_head"])
