@@ -120,34 +120,66 @@ class _Line:
         raise self.fail(field, f"not a boolean: {v!r}")
 
 
+def _text_lines(file: Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file (line endings kept, as ``csv`` wants them); a line that is not UTF-8 text
+    (a binary file, another encoding) fails with file:line."""
+    with open(file, "rb") as f:
+        for no, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{file}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "a trace is a UTF-8 JSONL or CSV file") from None
+            if "\x00" in text:
+                raise ValueError(f"{file}:{no}: a NUL byte: a binary file, not a UTF-8 JSONL or CSV trace")
+            yield text
+
+
+def _unencodable(value: Any) -> bool:
+    """A string (anywhere in a JSON value) that UTF-8 cannot write: a lone surrogate such as ``"\\ud800"``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_unencodable(k) or _unencodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_unencodable(v) for v in value)
+    return False
+
+
 def _json_lines(file: Path, limit: int | None) -> Iterator[_Line]:
     n = 0
-    with open(file) as f:
-        for no, text in enumerate(f, start=1):
-            if limit is not None and n >= limit:
-                return
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{no}: bad JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{file}:{no}: expected a JSON object, got {type(row).__name__}")
-            n += 1
-            yield _Line(file, no, row, text_values=False)
+    for no, text in enumerate(_text_lines(file), start=1):
+        if limit is not None and n >= limit:
+            return
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}:{no}: bad JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{file}:{no}: expected a JSON object, got {type(row).__name__}")
+        bad = next((k for k, v in row.items() if _unencodable(k) or _unencodable(v)), None)
+        if bad is not None:
+            raise ValueError(f"{file}:{no}: field {bad!r}: a lone surrogate escape (such as \\ud800), "
+                             "which is not text: no output file could hold it")
+        n += 1
+        yield _Line(file, no, row, text_values=False)
 
 
 def _csv_lines(file: Path, limit: int | None, required: tuple[str, ...]) -> Iterator[_Line]:
-    with open(file, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in required if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{file}:1: missing column(s) {missing}; header: {reader.fieldnames}")
-        for n, row in enumerate(reader):
-            if limit is not None and n >= limit:
-                return
-            yield _Line(file, reader.line_num, row, text_values=True)
+    reader = csv.DictReader(_text_lines(file))
+    missing = [c for c in required if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{file}:1: missing column(s) {missing}; header: {reader.fieldnames}")
+    for n, row in enumerate(reader):
+        if limit is not None and n >= limit:
+            return
+        yield _Line(file, reader.line_num, row, text_values=True)
 
 
 def read_mooncake(path: str | Path, limit: int | None = None) -> Iterator[TraceRow]:
@@ -228,8 +260,9 @@ def read_request_list(path: str | Path, limit: int | None = None, tokens_per_has
 def read_trace(path: str | Path, limit: int | None = None, tokens_per_hash_id: int = 16) -> Iterator[TraceRow]:
     """Any of the three formats, told apart by suffix and header (Mooncake ``timestamp`` / Azure ``TIMESTAMP``)."""
     file = resolve_path(path)
-    with open(file, newline="") as f:
-        head = next((ln for ln in f if ln.strip()), "")
+    lines = _text_lines(file)
+    head = next((ln for ln in lines if ln.strip()), "")
+    lines.close()
     if file.suffix == ".csv" and "TIMESTAMP" in next(csv.reader([head]), []):
         return read_azure(file, limit)
     if file.suffix in (".jsonl", ".json") and '"timestamp"' in head:

@@ -149,6 +149,35 @@ def test_malformed_request_list(tmp_path, row, words):
     assert ":2:" in str(e.value) and all(w in str(e.value) for w in words)
 
 
+@pytest.mark.parametrize("row, words", [
+    ('{"id": "a\\ud800", "arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1}', ["'id'", "surrogate"]),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1, "tenant": "\\udfff"}', ["'tenant'", "surrogate"]),
+])
+def test_a_lone_surrogate_is_refused_when_read(tmp_path, row, words):
+    """Valid JSON that no output file can hold: refused with file:line when read, not after the whole run."""
+    f = tmp_path / "r.jsonl"
+    f.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1}\n' + row + "\n")
+    with pytest.raises(ValueError) as e:
+        list(read_request_list(f))
+    assert f"{f}:2:" in str(e.value) and all(w in str(e.value) for w in words)
+
+
+@pytest.mark.parametrize("name", ["r.jsonl", "r.csv", "a.csv", "m.jsonl"])
+def test_a_binary_file_is_refused_with_file_and_line(tmp_path, name):
+    f = tmp_path / name
+    f.write_bytes(b'{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1}\n' if name.endswith("jsonl")
+                  else b"arrival_s,prompt_tokens,output_tokens\n0,5,1\n")
+    with open(f, "ab") as out:
+        out.write(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x00\n")
+    line = 2 if name.endswith("jsonl") else 3
+    with pytest.raises(ValueError, match=f"{f}:{line}: not UTF-8 text"):
+        list(read_trace(f))
+    nul = tmp_path / f"nul-{name}"
+    nul.write_bytes(b"\x00\x01\x02\n")
+    with pytest.raises(ValueError, match=f"{nul}:1: a NUL byte"):
+        list(read_trace(nul))
+
+
 def test_request_list_duplicate_ids_and_missing_file(tmp_path):
     f = tmp_path / "r.jsonl"
     f.write_text('{"id": "x", "arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1}\n' * 2)
