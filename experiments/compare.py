@@ -296,7 +296,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                                                    indent=2, sort_keys=True) + "\n")
         from experiments import plots
 
-        xlabel = "request rate (req/s)" if c.rate_key == "workload.arrival.rate_rps" else c.rate_key
+        xlabel = plots.axis_label(c.rate_key)
         summary["plots"]["rate_curves"] = str(plots.rate_curves(curves, out / "rate_curves.png", xlabel=xlabel))
         summary["rates"] = {label: {str(r): _headline(m) for r, m in v.items()} for label, v in curves.items()}
     summary["total_wall_s"] = time.perf_counter() - t0

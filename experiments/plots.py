@@ -72,27 +72,87 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl", "ITL"), ("e2e_s", "
              ("max_stall_s", "max stall per request"), ("queue_s", "queue delay"))
 
 
+def plain_log_ticks(axis) -> None:
+    """Plain numbers at 1-2-5 steps on a log axis, not 10^k labels."""
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+# Latencies drawn on a log x axis (values > 0 only): they span orders of magnitude, with a long tail
+LOG_LATENCIES = {"ttft_s", "itl", "e2e_s", "max_stall_s"}
+
+
+def _latency_values(run: RunData, col: str) -> np.ndarray:
+    if col == "itl":
+        return run.itl()
+    if col == "queue_s":
+        return run.completed("first_scheduled_s") - run.completed("arrival_s")
+    return run.completed(col)
+
+
+def slo_targets(runs: Mapping[str, RunData]) -> dict[str, float]:
+    """The SLO targets set in the runs' metrics.json (``slo``: metric -> seconds or null); the first run's value
+    of a metric wins."""
+    out: dict[str, float] = {}
+    for run in runs.values():
+        for key, target in ((run.metrics or {}).get("slo") or {}).items():
+            if target is not None and key not in out:
+                out[key] = float(target)
+    return out
+
+
+def draw_latency_cdfs(runs: Mapping[str, RunData]):
+    """The figure of ``latency_cdfs``, not saved: (fig, axes) so its scales and lines can be checked."""
+    slo = slo_targets(runs)
+    fig, axes = plt.subplots(2, 3, figsize=(11, 6))
+    for ax, (col, name) in zip(axes.flat, LATENCIES, strict=True):
+        for i, (label, run) in enumerate(runs.items()):
+            values = _latency_values(run, col)
+            if col in LOG_LATENCIES:
+                values = values[values > 0]
+            cdf(ax, values, label, COLORS[i % 10], "-" if i == 0 else "--")
+        if col in slo:
+            ax.axvline(slo[col], color="0.3", ls="--", lw=0.9, label=f"SLO {slo[col]:g} s")
+        if col in LOG_LATENCIES:
+            ax.set_xscale("log")
+            plain_log_ticks(ax.xaxis)
+        ax.set_xlabel(f"{name} (s{', log scale' if col in LOG_LATENCIES else ''})")
+        ax.set_ylabel("fraction of requests" if col != "itl" else "fraction of tokens")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7, loc="best")
+    return fig, axes
+
+
 def latency_cdfs(runs: Mapping[str, RunData], path: str | Path, title: str = "") -> Path:
-    """CDFs of TTFT, TPOT, ITL, E2E, max stall and queue delay, one line per run."""
+    """CDFs of TTFT, TPOT, ITL, E2E, max stall and queue delay, one line per run; TTFT, ITL, E2E and max stall
+    on log x axes, dashed vertical lines at the runs' SLO targets (metrics.json ``slo``)."""
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(2, 3, figsize=(11, 6))
-        for ax, (col, name) in zip(axes.flat, LATENCIES, strict=True):
-            for i, (label, run) in enumerate(runs.items()):
-                if col == "itl":
-                    values = run.itl()
-                elif col == "queue_s":
-                    values = run.completed("first_scheduled_s") - run.completed("arrival_s")
-                else:
-                    values = run.completed(col)
-                cdf(ax, values, label, COLORS[i % 10], "-" if i == 0 else "--")
-            ax.set_xlabel(f"{name} (s)")
-            ax.set_ylabel("fraction of requests" if col != "itl" else "fraction of tokens")
-            ax.legend(fontsize=7)
+        fig, _ = draw_latency_cdfs(runs)
         return _save(fig, path, title)
 
 
+def kv_timeline(steps: Mapping[str, np.ndarray], gap_factor: float = 5.0) -> tuple[np.ndarray, np.ndarray]:
+    """(time, KV blocks used) of the steps given, with a NaN point inserted in each idle gap (the next step
+    starts more than ``gap_factor`` median step durations after a step ends), so a line breaks there instead
+    of drawing a ramp across time when nothing ran."""
+    t = np.asarray(steps["start_s"], float)
+    d = np.asarray(steps["duration_s"], float)
+    kv = np.asarray(steps["kv_blocks_used"], float)
+    order = np.argsort(t, kind="stable")
+    t, d, kv = t[order], d[order], kv[order]
+    if len(t) < 2:
+        return t, kv
+    med = float(np.median(d[d > 0])) if np.any(d > 0) else 0.0
+    gaps = np.flatnonzero(t[1:] - (t[:-1] + d[:-1]) > gap_factor * med) + 1
+    if not len(gaps):
+        return t, kv
+    return np.insert(t, gaps, t[gaps - 1] + d[gaps - 1]), np.insert(kv, gaps, np.nan)
+
+
 def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
-    """Per-step duration, batch composition and KV use over time (first replica of each run)."""
+    """Per-step duration, batch composition and KV use over time (first replica of each run); the KV line
+    breaks across idle gaps (``kv_timeline``)."""
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
         for i, (label, run) in enumerate(runs.items()):
@@ -106,13 +166,14 @@ def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
             axes[1].plot(t, s["num_prefill_tokens"][first], ".", ms=2, color=c, label=f"{label} prefill tokens")
             axes[1].plot(t, s["num_decode_seqs"][first], "x", ms=2, color=c, alpha=0.5,
                          label=f"{label} decode seqs")
-            axes[2].plot(t, s["kv_blocks_used"][first], "-", lw=0.8, color=c, label=label)
+            kt, kv = kv_timeline({k: s[k][first] for k in ("start_s", "duration_s", "kv_blocks_used")})
+            axes[2].plot(kt, kv, "-", lw=0.8, color=c, label=label)
         axes[0].set_ylabel("step time (ms)")
-        axes[1].set_ylabel("per step")
-        axes[2].set_ylabel("KV blocks used")
+        axes[1].set_ylabel("tokens or sequences per step")
+        axes[2].set_ylabel("KV blocks used (blocks)")
         axes[2].set_xlabel("time (s)")
         for ax in axes:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="best")
         return _save(fig, path)
 
 
@@ -131,9 +192,20 @@ AXIS_LABELS = {
 }
 
 
+# Unit suffixes of config keys, for keys not in AXIS_LABELS
+_KEY_UNITS = (("_rps", "req/s"), ("_ms", "ms"), ("_s", "s"), ("_bytes", "bytes"), ("_tokens", "tokens"))
+
+
 def axis_label(key: str) -> str:
-    """An axis label with its unit for a config key (``AXIS_LABELS``), else the key itself."""
-    return AXIS_LABELS.get(key, key)
+    """An axis label with its unit for a config key (``AXIS_LABELS``); any other key by its last part with the
+    unit its suffix names (``workload.think_time_s`` -> ``think time (s)``), else that last part as is."""
+    if key in AXIS_LABELS:
+        return AXIS_LABELS[key]
+    name = key.rsplit(".", 1)[-1]
+    for suffix, unit in _KEY_UNITS:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return f"{name[:-len(suffix)].replace('_', ' ')} ({unit})"
+    return name.replace("_", " ")
 
 
 def lines(ax, x: Sequence[float], ys: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
@@ -186,10 +258,26 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     return [latency_cdfs(run, d / "latency_cdfs.png"), step_timeline(run, d / "step_timeline.png")]
 
 
+def fit_stats(measured: np.ndarray, predicted: np.ndarray) -> tuple[float, float]:
+    """(R\u00b2 of predicted against measured, median |predicted - measured| / measured) of one group; R\u00b2 is
+    NaN with fewer than 2 points or no spread in measured, the error NaN with no measured value > 0."""
+    m, p = np.asarray(measured, float), np.asarray(predicted, float)
+    ss_tot = float(np.sum((m - m.mean()) ** 2)) if len(m) else 0.0
+    r2 = 1.0 - float(np.sum((m - p) ** 2)) / ss_tot if len(m) >= 2 and ss_tot > 0 else np.nan
+    pos = m > 0
+    rel = float(np.median(np.abs(p[pos] - m[pos]) / m[pos])) if np.any(pos) else np.nan
+    return r2, rel
+
+
+def _fmt(v: float, spec: str) -> str:
+    return "n/a" if not np.isfinite(v) else format(v, spec)
+
+
 def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]], path: str | Path,
                           title: str = "") -> Path:
     """Step time predicted by a cost model against measured, one panel per model, one colour per group
-    (e.g. prefill / decode / mixed); log axes with the y = x line."""
+    (e.g. prefill / decode / mixed) with its own R\u00b2 and median relative error in the legend (one R\u00b2 over all
+    steps is dominated by the few long prefill steps); log axes with the y = x line."""
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
         for ax, (name, groups) in zip(axes.flat, panels.items(), strict=True):
@@ -198,16 +286,16 @@ def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np
                 m, p = np.asarray(measured, float) * 1e3, np.asarray(predicted, float) * 1e3
                 if not len(m):
                     continue
-                ax.plot(m, p, "o", ms=3, alpha=0.6, color=COLORS[i % 10], label=f"{group} (n={len(m)})")
+                r2, rel = fit_stats(m, p)
+                ax.plot(m, p, "o", ms=3, alpha=0.6, color=COLORS[i % 10],
+                        label=f"{group} (n={len(m)}, R\u00b2={_fmt(r2, '.3f')}, median |err| {_fmt(rel * 100, '.1f')}%)")
                 lo, hi = min(lo, m.min(), p.min()), max(hi, m.max(), p.max())
             if hi > 0:
                 ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
                 ax.set_xscale("log")
                 ax.set_yscale("log")
-                for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1-2-5 steps, not 10^k labels
-                    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-                    axis.set_minor_formatter(NullFormatter())
+                for axis in (ax.xaxis, ax.yaxis):
+                    plain_log_ticks(axis)
             ax.set_xlabel("measured step time (ms)")
             ax.set_ylabel("predicted step time (ms)")
             ax.set_title(name)
