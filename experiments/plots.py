@@ -287,8 +287,8 @@ def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np
                 if not len(m):
                     continue
                 r2, rel = fit_stats(m, p)
-                ax.plot(m, p, "o", ms=3, alpha=0.6, color=COLORS[i % 10],
-                        label=f"{group} (n={len(m)}, R\u00b2={_fmt(r2, '.3f')}, median |err| {_fmt(rel * 100, '.1f')}%)")
+                label = f"{group} (n={len(m)}, R\u00b2={_fmt(r2, '.3f')}, median |err| {_fmt(rel * 100, '.1f')}%)"
+                ax.plot(m, p, "o", ms=3, alpha=0.6, color=COLORS[i % 10], label=label)
                 lo, hi = min(lo, m.min(), p.min()), max(hi, m.max(), p.max())
             if hi > 0:
                 ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
