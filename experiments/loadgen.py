@@ -194,10 +194,13 @@ class TextPrompts:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The target's tokenizer from a local directory (no download)."""
-    from transformers import AutoTokenizer
+    """The target's tokenizer from a local directory (``engine.tokenizer``: no download)."""
+    from engine.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok = load(path)
+    if tok is None:
+        raise ValueError(f"target.tokenizer={str(path)!r}: no tokenizer files in that directory")
+    return tok
 
 
 class Prompts:
@@ -580,10 +583,6 @@ class LoadGen:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------------
-def _progress(setting: Any) -> bool:
-    return sys.stderr.isatty() if setting == "auto" else bool(setting)
-
-
 def _known_total(workload: Workload, requests: list[Request] | None) -> int | None:
     if requests is not None:
         return len(requests)
@@ -600,15 +599,6 @@ def _client_csv(records: Sequence[ClientRecord]) -> str:
     for r in sorted(records, key=lambda r: r.scheduled_s):
         w.writerow([fmt(getattr(r, c)) for c in CLIENT_COLUMNS])
     return f.getvalue()
-
-
-def build_workload(node: Any) -> Workload:
-    """The workload of a ``conf/workload`` config, built the way ``experiments.run`` builds it."""
-    try:
-        from experiments.build import build_workload as build
-    except ImportError:  # the builder's older home
-        from core.workload import build_workload as build
-    return build(node)
 
 
 def build_prompts(cfg: DictConfig, target: Target) -> Prompts:
@@ -636,7 +626,7 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
     from core.metrics import summarize
     from core.workload.base import OpenLoop
     from experiments.bench_format import bench_serve_result, write_measured_run
-    from experiments.build import metrics_options, model_spec
+    from experiments.build import build_workload, metrics_options, model_spec, progress_bar
 
     target = Target.from_mapping(cfg.target)
     options = metrics_options(cfg, model_spec(cfg))
@@ -647,7 +637,7 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
     if requests is not None:
         workload = _Fixed(workload, requests)
     output = cfg.get("output") or {}
-    gen = (client or LoadGen)(workload, target, prompts, progress=_progress(output.get("progress", "auto")),
+    gen = (client or LoadGen)(workload, target, prompts, progress=progress_bar(output.get("progress", "auto")),
                               total=_known_total(workload, requests))
     res = gen.run()
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -24,17 +25,22 @@ def free_port() -> int:
 class ServerProcess:
     """Starts the server with Hydra ``overrides`` (its run directory ``out``) and waits until /health answers."""
 
-    def __init__(self, ckpt: str | Path, out: str | Path, *overrides: str, startup_timeout_s: float = 120) -> None:
+    def __init__(self, ckpt: str | Path | None, out: str | Path, *overrides: str,
+                 startup_timeout_s: float = 120) -> None:
+        """``ckpt``: a checkpoint directory to serve (None: the config's model, e.g. with ``backend=sim``)."""
         self.port, self.out, self.terminated = free_port(), Path(out), False
         self.url = f"http://127.0.0.1:{self.port}"
+        model = [f"model={ckpt}", "backend.warmup_steps=1"] if ckpt is not None else []
+        # the server's output: a file never fills up and blocks the server as a pipe can; closed by stop()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "experiments.serve", f"model={ckpt}", f"serve.port={self.port}",
-             f"hydra.run.dir={out}", "backend.warmup_steps=1", *overrides],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, "-m", "experiments.serve", *model, f"serve.port={self.port}",
+             f"hydra.run.dir={out}", *overrides],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.output()}")
             try:
                 if self.get("/health")[0] == 200:
                     return
@@ -42,6 +48,11 @@ class ServerProcess:
                 time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not come up")
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def get(self, path: str) -> tuple[int, str]:
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
@@ -76,5 +87,5 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
+        self.log.close()
         return self.proc.returncode

@@ -6,12 +6,7 @@ on the tiny engine, and calibration against `experiments.serve` end to end on th
 
 import contextlib
 import json
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -24,6 +19,7 @@ from core.batch import StepFeatures
 from experiments.build import CONF_DIR, build_executors, build_replicas, engine_clock, model_spec
 from experiments.calibrate import Shape, calibrate, config_grid, grid_plan, grid_shapes, profile, read_profile
 from experiments.runs import run
+from experiments.server.process import ServerProcess
 from sim.calibration import fit_linear_requests, request_samples_from_run
 from sim.cost.linear import LinearCostModel
 
@@ -252,38 +248,14 @@ def test_request_level_runs_are_checked(tmp_path):
         calibrate(cfg_with("backend=sim", "calibrate.profile=sometimes"), tmp_path / "cal")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def served(out, *overrides):
     """`python -m experiments.serve` in a subprocess on a free loopback port (SIGTERM at the end)."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.serve", f"serve.port={port}", f"hydra.run.dir={out}",
-                             *overrides], cwd=CONF_DIR.parent, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(None, out, *overrides)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        yield url
+        yield server.url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 HELD_OUT = ["workload=poisson", "workload.num_requests=40", "workload.arrival.rate_rps=2", "workload.seed=5",

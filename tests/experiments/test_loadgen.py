@@ -20,9 +20,9 @@ from experiments.bench_format import (
     bench_serve_to_run,
     read_bench_serve,
 )
-from experiments.build import CONF_DIR
+from experiments.build import CONF_DIR, build_workload
 from experiments.fake_openai import FakeOpenAIServer
-from experiments.loadgen import Target, TextPrompts, build_workload, run_loadgen
+from experiments.loadgen import Target, TextPrompts, run_loadgen
 
 TTFT, ITL = 0.03, 0.01
 FAST = ["output.plots=false", "output.progress=false"]
