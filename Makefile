@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch==2.13.0 is pinned in the install step so pip takes the CPU wheel on CPU machines instead of a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv run test test-all lint bench clean
+.PHONY: venv run test test-all lint bench gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: venv
 
 bench: venv
 	$(BIN)/python -m pytest -q -m bench -s $(ARGS)
+
+# GPU tests + GPU benchmark + calibration profile -> outputs/gpu_check/report.md (< 10 min on one H100/H200).
+# Exits 2 with a "no GPU" line on a machine without CUDA, 1 when a test or section failed.
+gpu-check: venv
+	$(BIN)/python -m experiments.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -46,9 +46,11 @@ def paged_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k, v [T, Hkv, D] in the cache, then attend q [T, H, D] over the cached context."""
     kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    # the host-side maxima spare the Triton kernel a device-to-host sync per layer
     extra = {} if meta.plan is None else {"plan": meta.plan, "k": k, "v": v}
     return kernels.attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                             cache.k_scale, cache.v_scale, **extra)
+                             cache.k_scale, cache.v_scale, max_query_len=meta.max_query_len,
+                             max_seq_len=meta.max_seq_len, **extra)
 
 
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,

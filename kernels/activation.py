@@ -20,6 +20,9 @@ def _check(x: torch.Tensor) -> None:
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] -> [T, F] = silu(x[:, :F]) * x[:, F:], computed in fp32."""
     _check(x)
+    if x.dtype == torch.float32:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
 

@@ -8,6 +8,8 @@ attends to keys at positions <= its own; query head h reads kv head h // (H // H
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,7 @@ try:
     import triton.language as tl
 except ImportError:  # torch reference stays usable without triton
     triton = None
+    _attn_launch = _paged_attn_kernel = None
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale) -> bool:
@@ -299,15 +302,60 @@ def _decode(q, k_cache, v_cache, k_scale, v_scale, plan: AttentionPlan, scale: f
     return o.reshape(nd, H, D)
 
 
-SPLIT_MIN_SEQ_LEN = 1024  # auto split-K only when the longest decode context reaches this
+SPLIT_MIN_SEQ_LEN = 1024  # auto split-K only when the longest context reaches this
 SPLIT_MIN_KEYS = 256  # ... and each partition keeps at least this many keys
 SPLIT_MAX = 32  # partitions per sequence; also bounds the partial buffers
 PREFILL_BLOCK_M = 64  # rows (query tokens x heads of a GQA group) per program
 BLOCK_N = 64  # keys per inner-loop tile (32 for fp32 with head_dim > 64, to fit shared memory)
+# Launch settings tried by triton.autotune on a GPU, per (GQA group, head_dim, step kind, dtype); the interpreter
+# takes the first.
+ATTN_CONFIGS = ((4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 
 if triton is not None:
 
     @triton.jit
+    def _attn_tile(q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, block_size, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                   kv_off, sc_kv_off, d, d_ok, sm_scale_log2, stride_cb, stride_co, stride_sb, stride_so,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+        """One BLOCK_N key tile of the online softmax. The block table is read once per tile: one entry when a
+        page holds the tile (PAGE >= BLOCK_N), BLOCK_N // PAGE entries otherwise (PAGE: the block size when it is a
+        power of two; 0 reads one entry per key). Only CAUSAL (diagonal or last) tiles mask keys."""
+        k_pos = start + tl.arange(0, BLOCK_N)
+        if PAGE == 0:
+            page = tl.load(bt_row + k_pos // block_size, mask=k_pos < kv_hi, other=0).to(tl.int64)
+            off = k_pos % block_size
+        elif PAGE >= BLOCK_N:
+            page = tl.load(bt_row + start // PAGE).to(tl.int64)
+            off = start % PAGE + tl.arange(0, BLOCK_N)
+        else:
+            first = start + tl.arange(0, BLOCK_N // PAGE) * PAGE
+            pages = tl.load(bt_row + first // PAGE, mask=first < kv_hi, other=0).to(tl.int64)
+            page = tl.reshape(tl.broadcast_to(pages[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
+            off = tl.arange(0, BLOCK_N) % PAGE
+        slot = page * stride_cb + off * stride_co + kv_off
+        k_ok = k_pos < kv_hi  # all true in a whole tile below kv_hi; compiled only into the masks that use it
+        kv_mask = (k_ok[:, None] & d_ok[None, :]) if CAUSAL else d_ok[None, :]
+        k = tl.load(kc_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(vc_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if QUANT:
+            sc_off = page * stride_sb + off * stride_so + sc_kv_off
+            qk = qk * tl.load(ks_ptr + sc_off, mask=k_ok, other=0.0)[None, :]
+        qk = qk * sm_scale_log2
+        if CAUSAL:
+            qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT:
+            p = p * tl.load(vs_ptr + sc_off, mask=k_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
     def _paged_attn_kernel(
         q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
@@ -315,7 +363,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         DECODE_ONLY: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """One program = one tile of BLOCK_Q query tokens x the GROUP query heads sharing kv head program_id(1),
@@ -358,33 +406,24 @@ if triton is not None:
                 part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
                 kv_lo = split * part
                 kv_hi = tl.minimum(kv_hi, kv_lo + part)
+            # keys every row of the tile sees (up to its first query's position): whole tiles there skip the mask
+            visible = tl.minimum(kv_hi, seq_len - q_len + tile_lo + 1)
+            full_hi = kv_lo + tl.maximum(visible - kv_lo, 0) // BLOCK_N * BLOCK_N
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-            for start in range(kv_lo, kv_hi, BLOCK_N):
-                k_pos = start + tl.arange(0, BLOCK_N)
-                k_ok = k_pos < kv_hi
-                page = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-                slot = page * stride_cb + (k_pos % block_size) * stride_co + kvh * stride_ch
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-                k = tl.load(kc_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
-                v = tl.load(vc_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
-                qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                if QUANT:
-                    sc_off = page * stride_sb + (k_pos % block_size) * stride_so + kvh * stride_sh
-                    qk = qk * tl.load(ks_ptr + sc_off, mask=k_ok, other=0.0)[None, :]
-                qk = qk * sm_scale_log2
-                qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
-                p = tl.exp2(qk - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if QUANT:
-                    p = p * tl.load(vs_ptr + sc_off, mask=k_ok, other=0.0)[None, :]
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-                m_i = m_new
+            kv_off, sc_kv_off = kvh * stride_ch, kvh * stride_sh
+            for start in range(kv_lo, full_hi, BLOCK_N):
+                m_i, l_i, acc = _attn_tile(q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, block_size, kc_ptr,
+                                           vc_ptr, ks_ptr, vs_ptr, kv_off, sc_kv_off, d, d_ok, sm_scale_log2,
+                                           stride_cb, stride_co, stride_sb, stride_so, BLOCK_N, PAGE, False,
+                                           QUANT, DOT_PRECISION)
+            for start in range(full_hi, kv_hi, BLOCK_N):
+                m_i, l_i, acc = _attn_tile(q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, block_size, kc_ptr,
+                                           vc_ptr, ks_ptr, vs_ptr, kv_off, sc_kv_off, d, d_ok, sm_scale_log2,
+                                           stride_cb, stride_co, stride_sb, stride_so, BLOCK_N, PAGE, True,
+                                           QUANT, DOT_PRECISION)
             if SPLIT:
                 base = ((q_start + tok).to(tl.int64) * num_heads + head) * num_splits + split
                 tl.store(part_m_ptr + base, m_i, mask=row_ok)
@@ -395,20 +434,21 @@ if triton is not None:
                 o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
                 tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
-    def _split_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, num_heads, num_splits, head_dim,
-                             stride_ot, stride_oh, SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Merge the partitions of one (token, head): rescale each partial sum to the global max."""
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+    def _split_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, qsl_ptr, num_seqs, num_heads, num_splits,
+                             head_dim, stride_ot, stride_oh, SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Merge the partitions of one (token, head): rescale each partial sum to the global max. Tokens past
+        query_start_loc[-1] (whose partials nobody wrote) come out 0."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLIT_PAD)
         d = tl.arange(0, BLOCK_D)
-        sp_ok = sp < num_splits
+        sp_ok = sp < tl.where(t < tl.load(qsl_ptr + num_seqs), num_splits, 0)
         base = (t.to(tl.int64) * num_heads + h) * num_splits + sp
         m = tl.load(part_m_ptr + base, mask=sp_ok, other=float("-inf"))
         part_l = tl.load(part_l_ptr + base, mask=sp_ok, other=0.0)
         m_max = tl.max(m, 0)
-        w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+        w = tl.where(sp_ok, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)), 0.0)
         l_sum = tl.sum(part_l * w, 0)
         o = tl.load(part_o_ptr + base[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
         o = tl.sum(o * w[:, None], 0)
@@ -416,18 +456,29 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
                  mask=d < head_dim)
 
+    _attn_launch = _paged_attn_kernel
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        _attn_launch = triton.autotune(
+            [triton.Config({}, num_warps=w, num_stages=st) for w, st in ATTN_CONFIGS],
+            key=["GROUP", "BLOCK_D", "BLOCK_N", "PAGE", "DECODE_ONLY", "SPLIT", "QUANT", "DOT_PRECISION"],
+        )(_paged_attn_kernel)
 
-def _auto_num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
-                     seq_lens: torch.Tensor) -> int:
-    """Split-K for decode when (seqs x kv heads) programs leave most SMs idle and contexts are long."""
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_num_splits(q: torch.Tensor, programs: int, max_seq_len: int | None, seq_lens: torch.Tensor) -> int:
+    """Split-K (flash-decoding) when the step's programs leave most SMs idle and contexts are long: decode batches,
+    and mixed steps whose prefill chunks are short next to long-context decodes."""
     if q.device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs = num_seqs * num_kv_heads
+    num_sms = _num_sms(q.device)
     if programs >= num_sms:
         return 1
     if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
+        max_seq_len = int(seq_lens.max())  # a device sync: the engine passes it
     if max_seq_len < SPLIT_MIN_SEQ_LEN:
         return 1
     return max(1, min(SPLIT_MAX, triton.cdiv(2 * num_sms, programs), max_seq_len // SPLIT_MIN_KEYS))
@@ -440,26 +491,25 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None) -> torch.Tensor:
     """Triton paged attention: flash-style online softmax over paged key tiles, GQA heads packed into rows.
 
-    max_query_len / max_seq_len are optional hints that avoid a device sync. num_splits forces the split-K
-    (flash-decoding) path when > 1; by default it is chosen for decode-only batches with few, long sequences.
+    max_query_len / max_seq_len: the step's host-side metadata. With both given no device-to-host sync happens
+    (the engine always passes them), and output rows past query_start_loc[-1] are left undefined instead of zeroed
+    (the engine has none). num_splits forces the split-K path when > 1; by default it is chosen when the step has
+    few programs for the GPU and long contexts.
     """
     if triton is None:
         raise RuntimeError("paged_attention_triton needs the 'triton' package")
     quantised = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    out = torch.zeros_like(q)  # rows past query_start_loc[-1] stay zero
+    hinted = max_query_len is not None and max_seq_len is not None
+    out = torch.empty_like(q) if hinted else torch.zeros_like(q)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return out.zero_()
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("paged_attention_triton needs unit stride on head_dim and identically strided k/v caches")
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # a device sync
     decode_only = max_query_len <= 1
-    if num_splits is None:
-        num_splits = _auto_num_splits(q, num_seqs, num_kv_heads, max_seq_len, seq_lens) if decode_only else 1
-    if not 1 <= num_splits <= SPLIT_MAX:
-        raise ValueError(f"num_splits={num_splits} must be in [1, {SPLIT_MAX}]")
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -471,31 +521,38 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_m = max(PREFILL_BLOCK_M, group_pad)
         block_q = block_m // group_pad
         num_tiles = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = _auto_num_splits(q, num_tiles * num_kv_heads, max_seq_len, seq_lens)
+    if not 1 <= num_splits <= SPLIT_MAX:
+        raise ValueError(f"num_splits={num_splits} must be in [1, {SPLIT_MAX}]")
     split = num_splits > 1
-    if split:
-        part_m = torch.full((num_tokens, num_heads, num_splits), float("-inf"), dtype=torch.float32, device=q.device)
-        part_l = torch.zeros_like(part_m)
+    if split:  # every (token, head, split) of a real token is written by the kernel: no fill needed
+        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
         part_o = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_o = out  # unused
     ks, vs = (k_scale, v_scale) if quantised else (k_cache, v_cache)  # dummies when not quantised
     if quantised and v_scale.stride() != k_scale.stride():
         raise ValueError("k_scale and v_scale must have identical strides")
-    _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+    block_size = k_cache.shape[1]
+    page = block_size if block_size & (block_size - 1) == 0 else 0  # powers of two: table read once per tile
+    launch = {} if _attn_launch is not _paged_attn_kernel else {"num_warps": ATTN_CONFIGS[0][0],
+                                                                "num_stages": ATTN_CONFIGS[0][1]}
+    _attn_launch[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, query_start_loc,
         out, part_m, part_l, part_o,
-        scale * 1.4426950408889634, num_seqs, num_heads, num_splits, head_dim, k_cache.shape[1],
+        scale * 1.4426950408889634, num_seqs, num_heads, num_splits, head_dim, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DECODE_ONLY=decode_only, SPLIT=split, QUANT=quantised,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        PAGE=page, DECODE_ONLY=decode_only, SPLIT=split, QUANT=quantised,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch,
     )
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_m, part_l, part_o, num_heads, num_splits, head_dim, out.stride(0), out.stride(1),
-            SPLIT_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            out, part_m, part_l, part_o, query_start_loc, num_seqs, num_heads, num_splits, head_dim,
+            out.stride(0), out.stride(1), SPLIT_PAD=triton.next_power_of_2(SPLIT_MAX), BLOCK_D=block_d,  # one variant
         )
     return out

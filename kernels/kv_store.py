@@ -59,10 +59,15 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    v_scale: torch.Tensor | None = None) -> None:
     """Scatter k, v [T, Hkv, D] into the caches at slot_mapping (in place); -1 slots are skipped."""
     quantised = _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731  [num_slots, ...]; caches must be contiguous
+    if not quantised and slot_mapping.device.type == "cpu" and len(slot_mapping) and slot_mapping.min() >= 0:
+        slots = slot_mapping.long()  # no padding (the engine's steps): two copies, no masking
+        flat(k_cache).index_copy_(0, slots, k.to(k_cache.dtype))
+        flat(v_cache).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k, v = k[keep], v[keep]
-    flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731  [num_slots, ...]; caches must be contiguous
     if quantised:
         (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
         flat(k_cache)[slots] = kq

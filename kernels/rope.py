@@ -77,13 +77,24 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
 def rope_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate q [T, H, D] and k [T, Hkv, D] by their token positions; returns new (q_out, k_out)."""
     _check(q, k, positions, cos_sin)
-    cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    cos, sin = _step_cos_sin(positions, cos_sin)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+_last_cos_sin: list = [None, None, None]  # positions, cos_sin, (cos, sin): every layer of a step rotates alike
+
+
+def _step_cos_sin(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, D/2] in fp32 of ``positions``; the last result is reused while the same two tensor objects
+    come back (the layers of one step; the engine never writes into a step's positions)."""
+    if _last_cos_sin[0] is not positions or _last_cos_sin[1] is not cos_sin:
+        _last_cos_sin[:] = positions, cos_sin, cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    return _last_cos_sin[2]
 
 
 if triton is not None:

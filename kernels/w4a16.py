@@ -10,15 +10,18 @@ Scales are rounded *up* to fp16 so the group range always fits, which makes |w -
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the torch reference works without triton
     triton = None
+    _w4_launch = _w4a16_kernel = None
 
 SYMMETRIC_OFFSET = 8  # stored nibble = q + 8 in symmetric mode
 MAX_BLOCK_K = 64
@@ -103,25 +106,41 @@ def w4a16_linear_torch(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor 
     return out.to(x.dtype)
 
 
+SPLIT_K_MAX_M = 16  # decode-shaped GEMMs (M <= this) split K when the N tiles leave the GPU's SMs idle
+SPLIT_K_MAX = 8
+DEQUANT_MIN_M = 256  # prefill-shaped GEMMs (M >= this): dequantise to 16 bit once, then cuBLAS
+WARMUP_M = (1, 32, 64, DEQUANT_MIN_M)  # one M per compiled variant (BLOCK_M 16 / 32 / 64, the cuBLAS path)
+W4_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3))  # (BLOCK_N, num_warps, num_stages) to autotune
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 if triton is not None:
 
-    @triton.jit
-    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_sn,
-                      stride_om, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    @triton.jit(do_not_specialize=["M", "k_per_split"])
+    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_qn,
+                      stride_sn, stride_om, stride_os, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """out[split] = x[:, K range of program_id(2)] @ dequant(w)^T. The weight is read as int32 words (eight
+        nibbles, one load each), unpacked in registers: column 8i + j of a word row is bits 4j..4j+3."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
         rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, BLOCK_K // 8)
         m_mask, n_mask = rm < M, rn < N
-        # the odd column of each byte sits in the high nibble
-        shift = ((rk % 2) * 4)[:, None]
+        shift = (tl.arange(0, 8) * 4)[None, :, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 and BLOCK_K divides GROUP: one group per tile
+        k_lo = split * k_per_split
+        for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):  # BLOCK_K divides GROUP and K
             a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None],
                         other=0.0)
-            packed = tl.load(qw_ptr + rn[None, :].to(tl.int64) * stride_qn + ((k0 + rk) // 2)[:, None],
-                             mask=n_mask[None, :], other=0)
-            u = ((packed.to(tl.int32) >> shift) & 0xF).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+            words = tl.load(qw_ptr + rn[None, :].to(tl.int64) * stride_qn + (k0 // 8 + rw)[:, None],
+                            mask=n_mask[None, :], other=0)  # int32 [BLOCK_K // 8, BLOCK_N]
+            u = tl.reshape((words[:, None, :] >> shift) & 0xF, (BLOCK_K, BLOCK_N)).to(tl.float32)
             g = k0 // GROUP
             scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
             if HAS_ZERO:
@@ -135,27 +154,51 @@ if triton is not None:
                 acc = tl.dot(a, w.to(a.dtype), acc)  # A16: weights meet activations in 16 bit, fp32 accumulate
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        out = out_ptr + split.to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+    _w4_launch = _w4a16_kernel
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        _w4_launch = triton.autotune(
+            [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in W4_CONFIGS],
+            key=["N", "K", "GROUP", "BLOCK_M", "BLOCK_K", "HAS_ZERO", "HAS_BIAS", "FP32_DOT"],
+        )(_w4a16_kernel)
 
-def w4a16_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`w4a16_linear_torch`: dequantises inside the GEMM (tiles over M, N, K)."""
+
+def w4a16_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, *,
+                        split_k: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`w4a16_linear_torch`: dequantises inside the GEMM (tiles over M, N, K). Decode
+    shapes (M <= SPLIT_K_MAX_M) split K across programs when N alone fills few SMs (``split_k`` forces a
+    count; the partial sums add up in fp32); prefill shapes (M >= DEQUANT_MIN_M) dequantise once and use cuBLAS."""
     _check_linear(x, qw, bias)
     block_k = min(MAX_BLOCK_K, qw.group_size & -qw.group_size)  # largest power of two dividing the group
     if block_k < 16:
         raise ValueError(f"w4a16_linear_triton: group_size must be a multiple of 16, got {qw.group_size}")
     x = x if x.stride(1) == 1 else x.contiguous()
     (M, K), N = x.shape, qw.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
-        return out
-    block_m, block_n = max(16, min(64, triton.next_power_of_2(M))), 64
-    qweight, scales = qw.qweight.contiguous(), qw.scales.contiguous()
+        return torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M >= DEQUANT_MIN_M and split_k is None and x.dtype != torch.float32:
+        return F.linear(x, dequantize_w4(qw, x.dtype), bias)
+    block_m = max(16, min(64, triton.next_power_of_2(M)))
+    k_tiles = K // block_k
+    if split_k is None:
+        n_tiles = triton.cdiv(N, W4_CONFIGS[0][0])
+        split_k = 1 if M > SPLIT_K_MAX_M else max(1, min(SPLIT_K_MAX, k_tiles, 2 * _num_sms(x.device) // n_tiles))
+    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty partitions
+    qweight = qw.qweight.contiguous().view(torch.int32)  # [N, K // 8]: K is a multiple of 16
+    scales = qw.scales.contiguous()
     zeros = qw.zeros.contiguous() if qw.zeros is not None else scales  # placeholder pointer when symmetric
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _w4a16_kernel[grid](x, qweight, scales, zeros, bias if bias is not None else out, out, M, N, K,
-                        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-                        GROUP=qw.group_size, HAS_ZERO=qw.zeros is not None, HAS_BIAS=bias is not None,
-                        FP32_DOT=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return out
+    out = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    has_bias = bias is not None and split_k == 1
+    grid = lambda meta: (triton.cdiv(M, block_m), triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
+    launch = {} if _w4_launch is not _w4a16_kernel else {"BLOCK_N": W4_CONFIGS[0][0]}
+    _w4_launch[grid](x, qweight, scales, zeros, bias if has_bias else out, out, M, N, K, k_per_split,
+                     x.stride(0), qweight.stride(0), scales.stride(0), out.stride(1), out.stride(0),
+                     GROUP=qw.group_size, HAS_ZERO=qw.zeros is not None, HAS_BIAS=has_bias,
+                     FP32_DOT=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_K=block_k, **launch)
+    if split_k == 1:
+        return out[0]
+    out = out.sum(0)
+    return (out if bias is None else out + bias.float()).to(x.dtype)

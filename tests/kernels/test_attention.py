@@ -185,6 +185,12 @@ TRITON_CASES = {
     "block32_gqa8_d128": Case(((0, 65), (31, 1)), heads=8, kv_heads=1, head_dim=128, block_size=32, dtype=F32),
     "int8_mixed": Case(((0, 24), (30, 6), (50, 1)), heads=4, kv_heads=1, int8=True),
     "int8_decode_split2_fp32": Case(((90, 1), (3, 1)), heads=4, kv_heads=2, dtype=F32, int8=True, num_splits=2),
+    # block table read once per tile: pages larger than a tile, and a block size that is no power of two
+    "block128_mixed": Case(((150, 20), (0, 70), (130, 1)), heads=4, kv_heads=2, block_size=128, dtype=F32),
+    "block128_int8_split2": Case(((200, 3), (70, 1)), heads=4, kv_heads=1, block_size=128, int8=True, num_splits=2),
+    "block12_mixed": Case(((30, 9), (50, 1)), heads=4, kv_heads=2, block_size=12, dtype=F32),
+    # whole key tiles before the diagonal skip the causal mask; chunks after a long prefix, split too
+    "long_prefix_chunks_split3": Case(((170, 40), (64, 64), (5, 1)), heads=8, kv_heads=2, num_splits=3),
 }
 
 

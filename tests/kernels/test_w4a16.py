@@ -112,6 +112,30 @@ def test_triton_group_shapes(N, K, G):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_triton_split_k_matches_torch(split_k):
+    """Decode shapes sum K partitions in fp32 (bias added once, after the sum); 5 > K tiles clamps."""
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(2, 192, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+        qw = quantize_w4(_w(40, 192), group_size=64).to(DEVICE)
+        bias = torch.randn(40).to(dtype).to(DEVICE)
+        ref = w4a16_linear_torch(x, qw, bias)
+        out = w4a16_linear_triton(x, qw, bias, split_k=split_k)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=1e-4 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.interpreter
+def test_triton_large_m_dequantises_then_matmuls():
+    from kernels.w4a16 import DEQUANT_MIN_M
+
+    x = torch.randn(DEQUANT_MIN_M, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    qw = quantize_w4(_w(24, 64), group_size=32).to(DEVICE)
+    ref = w4a16_linear_torch(x, qw)
+    torch.testing.assert_close(w4a16_linear_triton(x, qw).float(), ref.float(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.interpreter
 def test_triton_rejects_small_groups_and_handles_empty():
     qw = quantize_w4(_w(8, 64), group_size=8).to(DEVICE)
     with pytest.raises(ValueError, match="multiple of 16"):
