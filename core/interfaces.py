@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, runtime_checkable
 
-from core.batch import Batch
+from core.batch import Batch, StepFeatures
 from core.checks import check_float, check_int
 from core.request import Request, RequestState
 
@@ -93,6 +93,28 @@ class Scheduler(Protocol):
     """
 
     def schedule(self, view: SchedulerView) -> Batch: ...
+
+
+@runtime_checkable
+class SteadyDecodeScheduler(Scheduler, Protocol):
+    """Opt-in capability of a Scheduler: it can promise that a replica in *steady decode* keeps getting the same
+    decodes, so the simulator may fast-forward those steps (``core.fast_forward``) instead of calling ``schedule``
+    for each. A scheduler without this method is called every step.
+
+    Declared here, checked once per replica with ``isinstance`` (never looked up by name per step).
+    """
+
+    def steady_decode(self, view: SchedulerView) -> Sequence[RequestState] | None:
+        """Called after a step was applied when every running request is in decode (its next chunk is one token)
+        and the running requests fit one step's token budget; ``view`` shows the replica at that moment.
+
+        Returns the running requests in the order ``schedule`` would decode them -- and allocate their KV -- which
+        promises: as long as the waiting queue and the running list stay as they are, every running request only
+        gains one output token per step, its KV grows without preemption (the pool only shrinks: nothing is freed)
+        and the clock advances, each further ``schedule`` returns one decode per running request in that order,
+        admitting and preempting nothing. The promise must not depend on ``view.now`` (timeouts, aborts and
+        arrivals the replica re-checks itself). None (or no such method): ``schedule`` is called every step."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -182,6 +204,16 @@ class Workload(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """An executor's prediction of consecutive pure-decode steps (``Executor.decode_run``): ``durations[m]`` is
+    step m's duration, bit-identical to what ``execute`` would return for that step's batch, and every step samples
+    ``token`` for every sequence."""
+
+    durations: Sequence[float]
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """Result of executing one batch: one sampled token per chunk with ``samples`` set (in batch order), and the
     step's duration in seconds (predicted by a cost model, or measured by the engine)."""
@@ -204,6 +236,20 @@ class Executor(Protocol):
 
     def execute(self, batch: Batch) -> StepOutput: ...
 
+    @property
+    def predicts_decodes(self) -> bool:
+        """True if ``decode_run`` can predict pure-decode steps without seeing their batches (a stateless cost-model
+        executor). False (``BaseExecutor``'s default): every step goes through ``execute`` -- an engine that runs
+        the model, a replay that checks each recorded batch."""
+        ...
+
+    def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
+        """Predict ``num_steps`` consecutive steps that each decode the same ``first.num_decode_seqs`` sequences:
+        step m reads ``first.kv_tokens_read + m * num_decode_seqs`` KV tokens and has ``max_context_len``
+        ``first.max_context_len + m`` (``core.fast_forward.decode_features``). Only called when
+        ``predicts_decodes``; durations must equal ``execute``'s for those batches bit for bit."""
+        ...
+
     def release(self, request_id: str) -> None:
         """A request reached a terminal status: drop whatever the executor kept for it."""
 
@@ -215,6 +261,10 @@ class BaseExecutor:
     """No-op defaults for the optional parts of ``Executor``: a predicting executor, nothing kept per request."""
 
     stopwatch: Callable[[], float] | None = None
+    predicts_decodes: bool = False  # every step goes through execute() (see Executor.predicts_decodes)
+
+    def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
+        raise NotImplementedError(f"{type(self).__name__} does not predict decode steps (predicts_decodes is False)")
 
     def release(self, request_id: str) -> None:
         pass

@@ -14,15 +14,21 @@ varies between backends:
 
 The loop depends on core only. It never looks executor attributes up by name: ``core.interfaces.Executor``
 declares all it uses.
+
+Decode fast-forward (``core.fast_forward``): after a step that leaves every running request in decode, where the
+executor ``predicts_decodes`` (the simulator's cost model), the scheduler declares ``SteadyDecodeScheduler`` and
+nobody listens to steps, the replica's next identical decode steps run without schedule / execute / apply -- still
+one ``Sleep`` and one ``StepRecord`` each, so the clock's event order and every output stay the per-step run's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from core.batch import Batch
+from core.fast_forward import DecodeRun
 from core.interfaces import Executor, Router, Workload
 from core.records import StepRecord
 from core.replica import Replica
@@ -36,10 +42,13 @@ class Until:
     time_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sleep:
     """A step started at ``since`` and lasts ``seconds``. Simulated clocks advance by it; the wall clock has
-    already spent it when the step was measured, and only waits for what is left (a cost-model step)."""
+    already spent it when the step was measured, and only waits for what is left (a cost-model step).
+
+    Not frozen (one is made per step, and a frozen dataclass's constructor costs several times a plain one's);
+    treat it as immutable."""
 
     seconds: float
     since: float
@@ -52,7 +61,18 @@ class Idle:
     replica: int
 
 
-Wait = Until | Sleep | Idle
+@dataclass(slots=True)
+class Decodes:
+    """Fast-forwarded decode steps (``core.fast_forward``), for a clock that ``drives_decodes``: the first step
+    lasts ``seconds``; when a step ends the clock calls ``run.advance(now)`` (it records the step and returns the
+    next one's duration) and schedules the next step as it would a ``Sleep``; on None it resumes the process then
+    and there. One clock event per step, as with a ``Sleep`` per step, without resuming the process each time."""
+
+    run: DecodeRun
+    seconds: float
+
+
+Wait = Until | Sleep | Idle | Decodes
 Process = Generator[Wait, None, None]
 
 
@@ -67,6 +87,14 @@ class Clock(Protocol):
 
     def wake(self, replica: int) -> None:
         """A request was dispatched to ``replica``: resume its process if it is ``Idle``."""
+
+
+@runtime_checkable
+class DecodeClock(Clock, Protocol):
+    """A ``Clock`` that also accepts ``Decodes`` waits (the simulated clocks). Others get one ``Sleep`` per
+    fast-forwarded step."""
+
+    drives_decodes: bool
 
 
 @dataclass
@@ -86,11 +114,14 @@ class ServingLoop:
     """Replicas, their executors, a router and a workload, as processes for a ``Clock``.
 
     Listeners (the server's token streams, a progress bar) are told about every step and every request that
-    reaches a terminal status; they run on the loop's thread and must not block.
+    reaches a terminal status; they run on the loop's thread and must not block. A step listener gets every step's
+    batch with its tokens applied, so while one is registered (or ``keep_batches``) no step is fast-forwarded;
+    terminal listeners are unaffected (a request always finishes in a per-step step).
     """
 
     def __init__(self, replicas: Sequence[Replica], executors: Sequence[Executor], router: Router,
-                 workload: Workload, keep_batches: bool = False, frontend_delay_s: float = 0.0) -> None:
+                 workload: Workload, keep_batches: bool = False, frontend_delay_s: float = 0.0,
+                 fast_forward: bool = True) -> None:
         if len(replicas) != len(executors) or not replicas:
             raise ValueError(f"need one executor per replica, got {len(replicas)} replicas, {len(executors)} executors")
         self.replicas = list(replicas)
@@ -98,6 +129,11 @@ class ServingLoop:
         self.router = router
         self.workload = workload
         self.keep_batches = keep_batches
+        # Decode fast-forward (core.fast_forward): where the executor predicts decode steps and the scheduler
+        # promises a steady decode state, runs of identical decode steps skip schedule / execute / apply. Outputs
+        # are byte-identical either way; False forces every step through the three lines (to check just that).
+        self.fast_forward = fast_forward
+        self.fast_forwarded_steps = 0  # steps taken by fast-forward (they are in ``steps`` like every other)
         # A server's front end (HTTP, tokenisation) between a request's arrival and its dispatch to a replica: a
         # simulation of a measured server adds it; arrival times (and so TTFT) stay the client's.
         self.frontend_delay_s = frontend_delay_s
@@ -107,6 +143,7 @@ class ServingLoop:
         self.on_step: list[StepListener] = []
         self.on_terminal: list[TerminalListener] = []
         self.clock: Clock | None = None
+        self._clock_drives_decodes = False
         self._ids: set[str] = set()
         for r in self.replicas:
             r.on_terminal = self._terminal
@@ -114,6 +151,7 @@ class ServingLoop:
     def processes(self, clock: Clock) -> list[Process]:
         """The processes to run on ``clock``: the workload's arrivals and one per replica."""
         self.clock = clock
+        self._clock_drives_decodes = isinstance(clock, DecodeClock) and clock.drives_decodes  # checked once
         return [self._arrivals(), *(self._replica(i) for i in range(len(self.replicas)))]
 
     def unfinished(self) -> list[str]:
@@ -160,6 +198,7 @@ class ServingLoop:
     def _replica(self, i: int) -> Process:
         replica, executor, clock = self.replicas[i], self.executors[i], self.clock
         stopwatch = executor.stopwatch
+        fast = self.fast_forward and executor.predicts_decodes and stopwatch is None
         while True:
             # A measuring executor's step runs from one schedule() to the next: scheduling is part of its time.
             t0 = stopwatch() if stopwatch else 0.0
@@ -184,6 +223,28 @@ class ServingLoop:
                 self.batches.append(batch)
             for listener in self.on_step:
                 listener(i, batch, record)
+            if fast and not self.on_step and not self.keep_batches:
+                run = replica.start_decode_run(executor, clock.now)
+                if run is not None:
+                    yield from self._decode_run(i, replica, run)
+
+    def _decode_run(self, i: int, replica: Replica, run: DecodeRun) -> Process:
+        """Fast-forwarded steps of replica ``i`` (``core.fast_forward``): one clock event and one StepRecord per
+        step, exactly where the per-step loop has them, but no schedule / execute / apply."""
+        clock = self.clock
+        try:
+            duration = run.begin(i, self.steps, clock.now)
+            if duration is None:
+                return
+            if self._clock_drives_decodes:
+                yield Decodes(run, duration)  # the clock calls run.advance at each step's end
+            else:
+                while duration is not None:
+                    yield Sleep(duration, run.step_start)
+                    duration = run.advance(clock.now)
+        finally:
+            self.fast_forwarded_steps += len(run.ends)
+            replica.end_decode_run()
 
     def _terminal(self, state: RequestState, now: float) -> None:
         self.executors[state.replica].release(state.id)

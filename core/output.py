@@ -14,24 +14,37 @@ writing stopped early: Ctrl-C, an error, ``error`` says which). Only a complete 
 usual names; any other run keeps them as ``<name>.partial`` (``requests.csv.partial``, ...), which no reader of
 run directories opens by mistake. A crash between the renames leaves no metrics.json at all: no metrics.json, or
 one whose ``run_status`` is not ``complete``, means the directory does not hold a complete run.
+
+Formats (``write_run``'s ``file_format``, config ``output.format``): ``csv`` (default) or ``parquet`` (requests.parquet,
+tokens.parquet, steps.parquet: same columns, numeric columns int64 / float64 with nulls where the CSV has empty
+cells, text columns as strings). ``read_table`` / ``read_requests`` / ``read_tokens`` / ``read_steps`` read either
+(a run directory, or a file path: a ``.csv`` path that is absent falls back to its ``.parquet`` sibling) into the
+same numpy columns. ``tokens`` (``output.tokens``): ``all`` writes the tokens file, ``none`` writes none (the
+metrics come from the request states, not from that file). CSV cells are formatted column by column (numpy, ``map``)
+into exactly the bytes ``csv.writer`` over ``fmt`` cells gives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import enum
+import io
 import json
 import math
 import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from core.metrics import output_events, request_metrics
+from core.batch import StepFeatures
+from core.checks import check_choice
+from core.metrics import float_times, output_events, request_metrics
 from core.records import StepRecord
 from core.request import RequestState
 
@@ -43,12 +56,24 @@ _STR_COLUMNS = ("id", "tenant", "status", "reason", "request_id")
 
 COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"  # metrics.json's run_status
 RUN_STATUSES = (COMPLETE, RUNNING, INTERRUPTED)
-DATA_FILES = ("requests.csv", "tokens.csv", "steps.csv")
+FORMATS = ("csv", "parquet")  # output.format
+TOKEN_OUTPUTS = ("all", "none")  # output.tokens: every output event in the tokens file, or no tokens file
+TABLES = ("requests", "tokens", "steps")
+CSV_FILES = tuple(f"{t}.csv" for t in TABLES)
+PARQUET_FILES = tuple(f"{t}.parquet" for t in TABLES)
+DATA_FILES = (*CSV_FILES, *PARQUET_FILES)
 # Every file a run may write into its directory (plots included). Before a run's files are renamed into place,
 # these and their .partial forms are removed, so a reused directory never mixes two runs.
 RUN_FILES = (*DATA_FILES, "metrics.json", "timing.json", "outputs.jsonl", "config.yaml", "bench_serve.json",
              "client.csv", "latency_cdfs.png", "step_timeline.png")
 PARTIAL_SUFFIX = ".partial"
+_CHUNK_ROWS = 65536  # rows formatted and written at a time: memory for the text stays bounded
+_QUOTED = (",", '"', "\r", "\n")  # a cell holding one of these is quoted by csv.writer (QUOTE_MINIMAL)
+
+
+def check_output_options(fmt: Any, tokens: Any) -> tuple[str, str]:
+    """``output.format`` (csv | parquet) and ``output.tokens`` (all | none), checked."""
+    return check_choice(fmt, "output.format", FORMATS), check_choice(tokens, "output.tokens", TOKEN_OUTPUTS)
 
 
 def fmt(v: Any) -> str:
@@ -96,11 +121,154 @@ def request_row(state: RequestState) -> list[Any]:
             m.ttft_s, m.tpot_s, m.e2e_s, m.max_stall_s, state.reason, r.warmup]
 
 
-def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+# ---- columns: what each data file holds, as Python lists or numpy arrays (one per column) ------------------------
+Column = list | np.ndarray
+
+
+def request_columns(states: Sequence[RequestState]) -> list[Column]:
+    """requests.csv's columns (``REQUEST_COLUMNS``) of ``states`` in the order given (``request_row`` per state)."""
+    rows = [request_row(s) for s in states]
+    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in REQUEST_COLUMNS]
+
+
+def token_columns(states: Sequence[RequestState]) -> list[Column]:
+    """tokens.csv's columns (``TOKEN_COLUMNS``: one row per output event, ``core.metrics.output_events``) of
+    ``states`` in the order given, computed with numpy over all token times at once."""
+    arrays = [float_times(s.token_times) for s in states]
+    if any(a is None for a in arrays):  # exact (slow) path for hand-made states with non-float times
+        rows = [(s.id, i, t, k) for s in states for i, (t, k) in enumerate(output_events(s.token_times))]
+        return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in TOKEN_COLUMNS]
+    lens = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    times = np.concatenate(arrays) if arrays else np.empty(0)
+    owner = np.repeat(np.arange(len(arrays)), lens)
+    starts = np.ones(len(times), dtype=bool)  # an event starts at each request's first token and at each new time
+    starts[1:] = (times[1:] != times[:-1]) | (owner[1:] != owner[:-1])
+    first = np.flatnonzero(starts)
+    counts = np.diff(np.append(first, len(times)))
+    ev_owner = owner[first]
+    index = np.arange(len(first)) - np.searchsorted(ev_owner, ev_owner, side="left")
+    ids = np.array([s.id for s in states] or [""], dtype=object)
+    return [ids[ev_owner], index, times[first], counts]
+
+
+def step_columns(steps: Sequence[StepRecord]) -> list[Column]:
+    """steps.csv's columns (``StepRecord.columns()``: the record's fields, its features spread out)."""
+    feats = set(StepFeatures.names())
+    return [list(map(attrgetter(f"features.{c}" if c in feats else c), steps)) for c in StepRecord.columns()]
+
+
+def _quote(cells: list[str]) -> list[str]:
+    """What csv.writer (QUOTE_MINIMAL, lineterminator "\\n") writes for each text cell: the rare cell holding a
+    delimiter, quote or line break goes through csv.writer itself."""
+    joined = "".join(cells)
+    if not any(c in joined for c in _QUOTED):
+        return cells
+    out = []
+    for c in cells:
+        if any(q in c for q in _QUOTED):
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerow([c])
+            c = buf.getvalue()[:-1]
+        out.append(c)
+    return out
+
+
+def _repeated(a: np.ndarray, cell) -> list[str] | None:
+    """Cells of a long column with few distinct values (step shapes, token counts, decode step times): each distinct
+    value formatted once, then gathered by numpy; None when that does not pay (or -0.0 could merge with 0.0)."""
+    if len(a) < 4096:
+        return None
+    if a.dtype.kind == "f" and np.signbit(a[a == 0]).any():
+        return None
+    u, inv = np.unique(a, return_inverse=True)
+    if len(u) * 4 > len(a):
+        return None
+    return np.array([cell(v) for v in u.tolist()], dtype=object)[inv.reshape(-1)].tolist()
+
+
+def _cells(col: Column) -> list[str]:
+    """``fmt`` of every cell of a column, as csv.writer writes it, with C-level loops for the common column types."""
+    if isinstance(col, list) and len(col) >= 4096 and type(col[0]) in (int, float):
+        types = set(map(type, col))
+        if types == {int}:
+            with contextlib.suppress(OverflowError):  # beyond int64: the list path below
+                col = np.array(col, dtype=np.int64)
+        elif types == {float}:
+            col = np.array(col, dtype=np.float64)
+    if isinstance(col, np.ndarray):
+        kind = col.dtype.kind
+        if kind in "iu":
+            return _repeated(col, str) or list(map(str, col.tolist()))
+        if kind == "f":
+            if not np.isfinite(col).all():
+                return [fmt(v) for v in col.tolist()]
+            return _repeated(col, repr) or list(map(repr, col.tolist()))
+        if kind == "b":
+            return ["1" if v else "0" for v in col.tolist()]
+        col = col.tolist()
+    types = set(map(type, col))
+    if types <= {int}:
+        return list(map(str, col))
+    if types <= {int, float}:  # repr of a Python int or float is fmt's cell (ints stay ints: "0", not "0.0")
+        return list(map(repr, col)) if all(map(math.isfinite, col)) else [fmt(v) for v in col]
+    if types <= {str}:
+        return _quote(col)
+    return _quote([fmt(v) for v in col])
+
+
+def _write_csv(path: Path, header: Sequence[str], columns: Sequence[Column] | None = None,
+               build=None) -> None:
+    """The header, then the rows of ``columns`` (or of ``build()``, called after the header is written: a file
+    cut short by an error still shows what it is) formatted column by column, ``_CHUNK_ROWS`` rows at a time."""
     with open(path, "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(header)
-        w.writerows([fmt(v) for v in row] for row in rows)
+        f.write(",".join(_quote(list(header))) + "\n")
+        if build is not None:
+            columns = build()
+        n = len(columns[0]) if columns else 0
+        for lo in range(0, n, _CHUNK_ROWS):
+            cells = [_cells(c[lo:lo + _CHUNK_ROWS]) for c in columns]
+            f.write("\n".join(map(",".join, zip(*cells, strict=True))) + "\n")
+
+
+def _arrow_column(col: Column):
+    """One column as a pyarrow array: int64 (ints; None -> null), bool, float64 (any float; None and non-finite ->
+    null, as the CSV's empty cell), or string (``fmt`` of each cell: enums by value)."""
+    import pyarrow as pa
+
+    if isinstance(col, np.ndarray) and col.dtype.kind in "iufb":
+        if col.dtype.kind == "f":
+            return pa.array(col, type=pa.float64(), mask=~np.isfinite(col))
+        return pa.array(col, type=pa.bool_() if col.dtype.kind == "b" else pa.int64())
+    vals = col.tolist() if isinstance(col, np.ndarray) else col
+    types = set(map(type, vals))
+    if types == {int}:
+        return pa.array(vals, type=pa.int64())
+    if types == {str}:
+        return pa.array(vals, type=pa.string())
+    if types <= {int, float} and types:
+        x = np.array(vals, dtype=np.float64)
+        return pa.array(x, type=pa.float64(), mask=~np.isfinite(x))
+    types -= {type(None)}
+    if types <= {bool, np.bool_} and types:
+        return pa.array([None if v is None else bool(v) for v in vals], type=pa.bool_())
+    if all(issubclass(t, int | np.integer) and not issubclass(t, bool | np.bool_) for t in types):
+        return pa.array([None if v is None else int(v) for v in vals],
+                        type=pa.int64() if types else pa.float64())
+    if all(issubclass(t, int | float | np.integer | np.floating) for t in types):
+        x = np.array([math.nan if v is None else float(v) for v in vals], dtype=np.float64)
+        return pa.array(x, type=pa.float64(), mask=~np.isfinite(x))
+    return pa.array([fmt(v) for v in vals], type=pa.string())
+
+
+def _write_parquet(path: Path, header: Sequence[str], columns: Sequence[Column] | None = None, build=None) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if build is not None:
+        path.touch()  # as _write_csv: a file that was being written when an error came
+        columns = build()
+    table = pa.table({name: _arrow_column(c) for name, c in zip(header, columns, strict=True)})
+    pq.write_table(table, path)
 
 
 def remove_run_files(out_dir: str | Path) -> list[str]:
@@ -118,10 +286,12 @@ def remove_run_files(out_dir: str | Path) -> list[str]:
 
 def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterable[StepRecord] | None,
               metrics: Mapping[str, Any], extra_files: Mapping[str, str | bytes] | None = None, *,
-              timing: Mapping[str, Any] | None = None, run_status: str = COMPLETE) -> dict[str, Path]:
+              timing: Mapping[str, Any] | None = None, run_status: str = COMPLETE, file_format: str = "csv",
+              tokens: str = "all") -> dict[str, Path]:
     """Write the run's files into ``out_dir`` (created if needed); returns name -> path as written.
 
-    requests.csv, tokens.csv, steps.csv (none when ``steps`` is None: a black box has no steps), ``extra_files``
+    requests, tokens (unless ``tokens`` is ``none``) and steps (none when ``steps`` is None: a black box has no
+    steps) as ``.csv`` or, with ``file_format="parquet"``, ``.parquet`` files; ``extra_files``
     (a file name inside ``out_dir`` -> its text or bytes, e.g. the resolved config), timing.json (``timing``:
     wall-clock facts) and metrics.json, with ``run_status`` added, last. Files go to a temporary directory first,
     then the run files an earlier run left are removed and the new ones renamed into place. Unless ``run_status``
@@ -131,22 +301,26 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
     """
     if run_status not in RUN_STATUSES:
         raise ValueError(f"run_status must be one of {RUN_STATUSES}, got {run_status!r}")
+    ext, tokens = check_output_options(file_format, tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = [*DATA_FILES[:2], *(["steps.csv"] if steps is not None else [])]
+    tables = ["requests", *(["tokens"] if tokens == "all" else []), *(["steps"] if steps is not None else [])]
+    names = [f"{t}.{ext}" for t in tables]
     for name in extra_files or {}:
         if Path(name).name != name or name in (*names, "metrics.json", "timing.json") or name.startswith("."):
             raise ValueError(f"extra file name {name!r} must be a new plain file name inside the run directory")
     metrics = {**metrics, "run_status": run_status}
+    write = _write_parquet if ext == "parquet" else _write_csv
     stage = Path(tempfile.mkdtemp(prefix=".writing-", dir=out))
     try:
         try:
             ordered = sorted(states, key=lambda s: s.request.arrival_s)  # stable: ties keep the caller's order
-            _write_csv(stage / "requests.csv", REQUEST_COLUMNS, (request_row(s) for s in ordered))
-            _write_csv(stage / "tokens.csv", TOKEN_COLUMNS,
-                       ((s.id, i, t, k) for s in ordered for i, (t, k) in enumerate(output_events(s.token_times))))
+            write(stage / f"requests.{ext}", REQUEST_COLUMNS, build=lambda: request_columns(ordered))
+            if tokens == "all":
+                write(stage / f"tokens.{ext}", TOKEN_COLUMNS, token_columns(ordered))
             if steps is not None:
-                _write_csv(stage / "steps.csv", StepRecord.columns(), (s.row() for s in steps))
+                steps = steps if isinstance(steps, Sequence) else list(steps)
+                write(stage / f"steps.{ext}", StepRecord.columns(), step_columns(steps))
             for name, content in (extra_files or {}).items():
                 if isinstance(content, bytes):
                     (stage / name).write_bytes(content)
@@ -190,9 +364,8 @@ def _keep_partial(out: Path, stage: Path, metrics: Mapping[str, Any], error: Bas
         pass
 
 
-def read_csv(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dict[str, np.ndarray]:
-    """Columns of a run CSV as numpy arrays: named string columns as str, the rest int64 when every cell is
-    an integer, else float64 (empty cells -> NaN)."""
+def _read_csv_python(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dict[str, np.ndarray]:
+    """``read_csv`` with the csv module (the reference ``read_csv`` matches; used where pyarrow cannot parse)."""
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
@@ -215,19 +388,111 @@ def read_csv(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dic
     return cols
 
 
-def read_requests_csv(path: str | Path) -> dict[str, np.ndarray]:
-    cols = read_csv(path)
+def _numpy_columns(table, path: str | Path, str_columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """A pyarrow table (read from CSV or Parquet) as ``read_csv``'s columns: text columns str; numeric ones int64
+    without missing values, else float64 with NaN; bools as int64 0/1 (what the CSV holds)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    cols: dict[str, np.ndarray] = {}
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        t = col.type
+        text = pa.types.is_string(t) or pa.types.is_large_string(t)
+        if name in str_columns:
+            d = pc.fill_null(col if text else col.cast(pa.string()), "").combine_chunks().dictionary_encode()
+            cols[name] = np.array(d.dictionary.to_pylist() or [""], dtype=str)[d.indices.to_numpy()]
+        elif text:
+            raise ValueError(f"{path}: column {name!r} is not numeric")
+        elif not len(col):  # no rows: as the CSV reader, whose empty numeric columns parse as int64
+            cols[name] = np.empty(0, dtype=np.int64)
+        elif pa.types.is_null(t):
+            cols[name] = np.full(len(col), math.nan)
+        elif pa.types.is_boolean(t) or pa.types.is_integer(t):
+            x = col.cast(pa.int64())
+            cols[name] = (x.to_numpy() if x.null_count == 0
+                          else pc.fill_null(x.cast(pa.float64()), math.nan).to_numpy())
+        elif pa.types.is_floating(t):
+            cols[name] = pc.fill_null(col.cast(pa.float64()), math.nan).to_numpy()
+        else:
+            raise ValueError(f"{path}: column {name!r} is not numeric")
+    return cols
+
+
+def read_csv(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dict[str, np.ndarray]:
+    """Columns of a run CSV as numpy arrays: named string columns as str, the rest int64 when every cell is
+    an integer, else float64 (empty cells -> NaN). Parsed by pyarrow (C++, exact float parsing)."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    path = Path(path)
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), None)
+    if header is None:
+        raise ValueError(f"{path}: empty file (no header)")
+    try:
+        table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(newlines_in_values=True),
+                              convert_options=pcsv.ConvertOptions(
+                                  column_types={c: pa.string() for c in header if c in str_columns},
+                                  null_values=[""], strings_can_be_null=False, quoted_strings_can_be_null=False,
+                                  timestamp_parsers=[]))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # what pyarrow's parser refuses: the csv module decides
+        return _read_csv_python(path, str_columns)
+    return _numpy_columns(table, path, str_columns)
+
+
+def read_parquet(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dict[str, np.ndarray]:
+    """A run's Parquet file as ``read_csv`` reads the same data written as CSV."""
+    import pyarrow.parquet as pq
+
+    return _numpy_columns(pq.read_table(path), path, str_columns)
+
+
+def table_path(path: str | Path, table: str | None = None) -> Path:
+    """The file holding a data table: ``path`` a run directory (then ``table``: requests | tokens | steps, its
+    .csv, else its .parquet) or a file (a .csv path that is absent falls back to the .parquet beside it).
+    Raises FileNotFoundError naming what was looked for."""
+    p = Path(path)
+    if p.is_dir():
+        if table not in TABLES:
+            raise ValueError(f"table must be one of {TABLES} for a run directory, got {table!r}")
+        candidates = [p / f"{table}.csv", p / f"{table}.parquet"]
+    else:
+        candidates = [p, p.with_suffix(".parquet")] if p.suffix == ".csv" else [p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"no {' or '.join(c.name for c in candidates)} in {candidates[0].parent}")
+
+
+def has_table(run_dir: str | Path, table: str) -> bool:
+    """Whether a run directory holds the complete ``table`` (requests | tokens | steps) in either format."""
+    return any((Path(run_dir) / f"{table}.{ext}").is_file() for ext in FORMATS)
+
+
+def read_table(path: str | Path, table: str | None = None) -> dict[str, np.ndarray]:
+    """The one reader of run data files, CSV or Parquet (``table_path`` finds the file): numpy columns."""
+    p = table_path(path, table)
+    return read_parquet(p) if p.suffix == ".parquet" else read_csv(p)
+
+
+def read_requests(path: str | Path) -> dict[str, np.ndarray]:
+    """requests.csv / requests.parquet (a run directory or the file) with ``warmup`` as bool."""
+    cols = read_table(path, "requests")
     if "warmup" in cols:
         cols["warmup"] = cols["warmup"].astype(bool)
     return cols
 
 
-def read_tokens_csv(path: str | Path) -> dict[str, np.ndarray]:
-    return read_csv(path)
+def read_tokens(path: str | Path) -> dict[str, np.ndarray]:
+    return read_table(path, "tokens")
 
 
-def read_steps_csv(path: str | Path) -> dict[str, np.ndarray]:
-    return read_csv(path)
+def read_steps(path: str | Path) -> dict[str, np.ndarray]:
+    return read_table(path, "steps")
+
+
+# the names from before Parquet: they read either format too
+read_requests_csv, read_tokens_csv, read_steps_csv = read_requests, read_tokens, read_steps
 
 
 def read_metrics(path: str | Path) -> dict[str, Any]:

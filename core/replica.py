@@ -13,7 +13,8 @@ from collections import deque
 from collections.abc import Callable
 
 from core.batch import Batch
-from core.interfaces import ReplicaView, Scheduler, SchedulerLimits, SchedulerView
+from core.fast_forward import DecodeRun, finish_limit
+from core.interfaces import Executor, ReplicaView, Scheduler, SchedulerLimits, SchedulerView, SteadyDecodeScheduler
 from core.kv_cache import KVCacheManager
 from core.prompt import block_hashes
 from core.request import Request, RequestState, Status
@@ -176,10 +177,7 @@ class Replica:
             tok = next(sampled, None)
             if tok is None:
                 raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples more")
-            state.output_token_ids.append(tok)
-            state.token_times.append(end_s)
-            if state.first_token_s is None:
-                state.first_token_s = end_s
+            state.add_token(tok, end_s)  # output id, token time, first_token_s (RequestState.add_tokens: several)
             n = len(state.output_token_ids)
             # a stop token (EOS unless ignored, or a stop id: state.stop_token_ids) counts after min_tokens others
             if n >= state.request.max_new_tokens or (tok in state.stop_token_ids and n > state.request.min_tokens):
@@ -247,6 +245,8 @@ class Replica:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end} without KV blocks")
 
     def view(self) -> ReplicaView:
+        if self._decode_run is not None:  # a router reads output counts: bring a fast-forward's tokens in first
+            self._decode_run.sync()
         return ReplicaView(
             index=self.index, num_waiting=len(self.waiting), num_running=len(self.running),
             num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
@@ -271,3 +271,50 @@ class Replica:
         if self._last_hashed[0] is not request:
             self._last_hashed = (request, block_hashes(request, self.kv.block_size))
         return self._last_hashed[1]
+
+    # ---- decode fast-forward (core.fast_forward) -------------------------------------------------------------
+    _decode_run: DecodeRun | None = None  # the fast-forward in progress (class default: none)
+    _steady: bool | None = None  # whether the scheduler declares SteadyDecodeScheduler (checked once)
+
+    @property
+    def has_aborts(self) -> bool:
+        """A running request was aborted and ends at the next ``schedule``."""
+        return bool(self._aborts)
+
+    def start_decode_run(self, executor: Executor, now: float) -> DecodeRun | None:
+        """Right after a step was applied at clock ``now``: a fast-forward of the next steps if they provably are
+        the same decodes (``core.fast_forward``), else None. The caller ends it with ``end_decode_run`` before the
+        next ``schedule``; in between, the run's ``start`` / ``done`` stand for schedule / execute / apply."""
+        running = self.running
+        if not running or self._aborts or self._decode_run is not None \
+                or len(running) > self.limits.max_num_batched_tokens:
+            return None
+        for state in running:
+            if state.in_prefill:
+                return None
+        if self._steady is None:
+            self._steady = isinstance(self.scheduler, SteadyDecodeScheduler)
+        if not self._steady:
+            return None
+        limit = finish_limit(running)  # the executor's token may end requests earlier (DecodeRun refines it)
+        if limit <= 0:
+            return None
+        view = self._view
+        view.now, view.preempted, view.blocked = now, [], None
+        order = self.scheduler.steady_decode(view)
+        if order is None:
+            return None
+        if len(order) != len(running):
+            raise RuntimeError(f"{type(self.scheduler).__name__}.steady_decode returned {len(order)} requests; "
+                               f"{len(running)} are running (it must order all of them)")
+        run = DecodeRun(self, order, executor, limit)
+        if run.limit <= 0:
+            return None
+        self._decode_run = run
+        return run
+
+    def end_decode_run(self) -> None:
+        """Bring the run's tokens into the request states; the replica is back to per-step scheduling."""
+        run, self._decode_run = self._decode_run, None
+        if run is not None:
+            run.sync()

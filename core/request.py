@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -134,7 +136,10 @@ class RequestState:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one output event per sampled token
+    # time of each output token (equal times: one multi-token event); a flat array of doubles (8 bytes a token,
+    # no Python object per token), which is what the metrics need: TTFT, TPOT, every ITL sample, max stall.
+    # Whole-response writers (loadgen) may assign any sequence of floats.
+    token_times: Sequence[float] = field(default_factory=lambda: array("d"))
     reason: str = ""  # why REJECTED / TIMED_OUT / CANCELLED
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     # token ids that end this request (EOS unless ignored, plus its stop_token_ids); set once by Replica.add
@@ -142,6 +147,30 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.id = self.request.id
+
+    def add_token(self, token_id: int, time_s: float) -> None:
+        """One sampled output token at ``time_s`` (the replica's one way to append outputs)."""
+        self.output_token_ids.append(token_id)
+        self.token_times.append(time_s)
+        if self.first_token_s is None:
+            self.first_token_s = time_s
+
+    def add_tokens(self, token_ids: Sequence[int], times_s: float | Sequence[float]) -> None:
+        """Several output tokens at once: all at one time (``times_s`` a float: one multi-token event) or one time
+        each (a sequence as long as ``token_ids``, e.g. a fast-forwarded run of decode steps)."""
+        n = len(token_ids)
+        if isinstance(times_s, int | float):
+            times = [times_s] * n
+        else:
+            times = times_s
+            if len(times) != n:
+                raise ValueError(f"request {self.id}: {n} tokens but {len(times)} times")
+        if not n:
+            return
+        self.output_token_ids.extend(token_ids)
+        self.token_times.extend(times)
+        if self.first_token_s is None:
+            self.first_token_s = times[0]
 
     @property
     def num_tokens(self) -> int:

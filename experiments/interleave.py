@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.batch import Batch
-from core.interfaces import Executor, StepOutput
+from core.interfaces import BaseExecutor, Executor, StepOutput
 from core.loop import ServingLoop
 from core.replica import Replica
 from experiments.build import build_executors, build_loop, engine_clock, model_spec, replicas_for
@@ -55,7 +55,7 @@ class _Stopped(Exception):
     """Raised inside a background run's step once the primary run has finished."""
 
 
-class _TakeTurns:
+class _TakeTurns(BaseExecutor):
     """Executor wrapper: hand the machine to the next run, run this step when it comes back."""
 
     def __init__(self, inner: Executor, baton: _Baton, index: int, total: int) -> None:
@@ -77,6 +77,7 @@ class _TakeTurns:
 
     def finish(self) -> None:
         self.inner.finish()
+    # predicts_decodes stays False (BaseExecutor): every step must take its turn, so none is fast-forwarded
 
 
 def _shared_executors(cfgs: Mapping[str, DictConfig],

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -14,6 +17,8 @@ from experiments.build import CONF_DIR
 from experiments.cli import user_errors
 from experiments.runs import run
 
+log = logging.getLogger(__name__)
+
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 @user_errors
@@ -22,10 +27,29 @@ def _main(cfg: DictConfig) -> float | None:
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",
             "slo_attainment", "throughput_tok_s", "request_hit_rate")
-    print(json.dumps({k: metrics.get(k) for k in keys}))
-    print(f"ttft p50/p90/p99 s: {metrics['ttft_s']['p50']} / {metrics['ttft_s']['p90']} / {metrics['ttft_s']['p99']}")
-    print(f"wrote {out_dir}")
-    return metrics.get("goodput_rps")  # the value a Hydra sweeper optimises
+    log.info(json.dumps({k: metrics.get(k) for k in keys}))
+    ttft = metrics["ttft_s"]
+    log.info(f"ttft p50/p90/p99 s: {ttft['p50']} / {ttft['p90']} / {ttft['p99']}")
+    log.info(f"wrote {out_dir}")
+    return objective(cfg, metrics)
+
+
+def objective(cfg: DictConfig, metrics: Mapping[str, Any]) -> float | None:
+    """The task function's return value, which a Hydra sweeper optimises (the Optuna search, conf/sweep/search.yaml):
+    the metric the ``objective`` key names, a dotted metrics.json key (``slo_attainment``, ``ttft_s.p90``); without
+    the key, goodput under the SLO (``goodput_rps``). None where the run has no value for it (an Optuna trial
+    that returns None fails)."""
+    key = str(cfg.get("objective") or "goodput_rps")
+    v: Any = metrics
+    for part in key.split("."):
+        if not isinstance(v, Mapping) or part not in v:
+            raise ValueError(f"objective={key}: not a key of metrics.json (e.g. goodput_rps, slo_attainment, "
+                             f"throughput_tok_s, ttft_s.p90)")
+        v = v[part]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+        raise ValueError(f"objective={key}: not a number in metrics.json ({type(v).__name__}); name one value, "
+                         f"e.g. ttft_s.p90")
+    return None if v is None else float(v)
 
 
 def checkpoint_paths_to_overrides(argv: list[str]) -> list[str]:

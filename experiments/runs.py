@@ -15,12 +15,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.loop import RunResult
-from core.output import COMPLETE, INTERRUPTED, write_run
+from core.output import COMPLETE, INTERRUPTED, check_output_options, table_path, write_run
 from experiments.build import MakeExecutors, build_loop, engine_clock, metrics_options, model_spec, progress_bar
 from experiments.overrides import with_backend
 from sim.clock import simulate
 
 COMPARED_FILES = ("requests.csv", "tokens.csv")
+# output.plots=auto draws the figures of runs with at most this many requests: drawing costs about 2 s whatever the
+# run's size (matplotlib's import, layout and PNG encoding; long series are thinned), a lot next to a large run
+PLOTS_AUTO_MAX_REQUESTS = 1000
 
 
 def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | None = None,
@@ -32,6 +35,7 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
     ``.partial`` files beside a metrics.json whose ``run_status`` is ``interrupted`` (``core.output.write_run``);
     then the exception propagates."""
     metrics_options(cfg, model_spec(cfg))  # its checks fail now, not after the run
+    output_options(cfg)
     loop = build_loop(cfg, make_executors)
     progress = progress_bar(cfg.output.progress)
     t0 = time.perf_counter()
@@ -83,12 +87,28 @@ def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backe
 
         files["outputs.jsonl"] = outputs_jsonl(result.states, spec, int(cfg.seed))
     out = Path(out_dir)
-    write_run(out, result.states, result.steps, metrics, files, timing=timing, run_status=run_status)
-    if (cfg.output.plots if plots is None else plots) and run_status == COMPLETE:
+    opts = output_options(cfg)
+    write_run(out, result.states, result.steps, metrics, files, timing=timing, run_status=run_status,
+              file_format=opts["format"], tokens=opts["tokens"])
+    draw = opts["plots"] if plots is None else plots
+    if draw == "auto":
+        draw = len(result.states) <= PLOTS_AUTO_MAX_REQUESTS
+    if draw and run_status == COMPLETE:
         from experiments import plots as plotting
 
         plotting.plot_run(out)
     return metrics
+
+
+def output_options(cfg: DictConfig) -> dict[str, Any]:
+    """The ``output`` section, checked: ``format`` (csv | parquet), ``tokens`` (all | none), ``plots`` (auto |
+    true | false). A config without the newer keys gets their defaults (csv, all, auto)."""
+    out = cfg.get("output") or {}
+    file_format, tokens = check_output_options(out.get("format", "csv"), out.get("tokens", "all"))
+    plots = out.get("plots", "auto")
+    if not isinstance(plots, bool) and plots != "auto":
+        raise ValueError(f"output.plots={plots!r}; allowed: auto, true or false")
+    return {"format": file_format, "tokens": tokens, "plots": plots}
 
 
 def config_yaml(cfg: DictConfig) -> str:
@@ -111,4 +131,5 @@ def replay(cfg: DictConfig, recording: str | Path, out_dir: str | Path) -> dict[
 
 
 def same_files(a: str | Path, b: str | Path, names: Sequence[str] = COMPARED_FILES) -> dict[str, bool]:
-    return {n: (Path(a) / n).read_bytes() == (Path(b) / n).read_bytes() for n in names}
+    """Byte equality of two runs' files; a .csv name compares the .parquet files of runs written as Parquet."""
+    return {n: table_path(Path(a) / n).read_bytes() == table_path(Path(b) / n).read_bytes() for n in names}

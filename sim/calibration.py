@@ -310,9 +310,19 @@ def cross_validate(fit: Callable[[list[Measurement], np.ndarray], CostModel], fe
 
 
 def steps_from_csv(path: str | Path) -> tuple[list[StepFeatures], np.ndarray, np.ndarray]:
-    """Read a run's steps.csv (columns ``StepRecord.columns()``): (features, durations in s, replica ids)."""
+    """Read a run's steps.csv (columns ``StepRecord.columns()``): (features, durations in s, replica ids). A run
+    written as Parquet: its steps.parquet (the path itself, or the sibling of an absent steps.csv)."""
+    from core.output import read_steps, table_path
+
     path = Path(path)
     names = StepFeatures.names()
+    if not path.is_file() or path.suffix == ".parquet":
+        cols = read_steps(table_path(path))
+        missing = sorted(set(StepRecord.columns()) - set(cols))
+        if missing:
+            raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
+        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() for k in names), strict=True)]
+        return feats, cols["duration_s"].astype(float), cols["replica"].astype(int)
     features, durations, replicas = [], [], []
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
@@ -587,14 +597,14 @@ def _tokens_by(times: np.ndarray, cum: np.ndarray, t: np.ndarray) -> np.ndarray:
 def request_samples_from_run(run_dir: str | Path, prefill_chunk: int | None = None,
                              tolerance: float = DEFAULT_TOLERANCE) -> list[RequestSample]:
     """``request_samples`` of a run directory (its requests.csv and tokens.csv; steps.csv is not needed)."""
-    from core.output import read_requests_csv, read_tokens_csv
+    from core.output import has_table, read_requests, read_tokens
 
     d = Path(run_dir)
-    for name in ("requests.csv", "tokens.csv"):
-        if not (d / name).is_file():
-            raise ValueError(f"calibrate.runs: no {name} in {d} (a run directory: experiments.loadgen, .run, .serve)")
-    return request_samples(read_requests_csv(d / "requests.csv"), read_tokens_csv(d / "tokens.csv"), prefill_chunk,
-                           tolerance, source=d.name)
+    for name in ("requests", "tokens"):
+        if not has_table(d, name):
+            raise ValueError(f"calibrate.runs: no {name}.csv (or .parquet) in {d} (a run directory: "
+                             "experiments.loadgen, .run, .serve; tokens need output.tokens=all)")
+    return request_samples(read_requests(d), read_tokens(d), prefill_chunk, tolerance, source=d.name)
 
 
 @dataclass

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
-from core.batch import Batch
-from core.interfaces import BaseExecutor, StepOutput
-from sim.cost.base import CostModel
+from core.batch import Batch, StepFeatures
+from core.fast_forward import decode_features
+from core.interfaces import BaseExecutor, DecodeRun, StepOutput
+from sim.cost.base import CostModel, DecodeCostModel
 
 
 class CostModelExecutor(BaseExecutor):
-    """Predicts each step's duration with a cost model; measures nothing."""
+    """Predicts each step's duration with a cost model; measures nothing.
+
+    It predicts runs of decode steps too (``predicts_decodes``, for ``core.fast_forward``): a cost model is a pure
+    function of the step's features, and every sampled token is ``token_id``. A cost model that declares
+    ``sim.cost.base.DecodeCostModel`` prices the run vectorised; any other is called once per step (still exact).
+    """
+
+    predicts_decodes = True
 
     def __init__(self, cost_model: CostModel, token_id: int = 0) -> None:
         self.cost_model = cost_model
         self.token_id = token_id  # simulated outputs carry no content; EOS never fires in the simulator
+        self._vectorised = isinstance(cost_model, DecodeCostModel)
 
     def execute(self, batch: Batch) -> StepOutput:
         n = sum(1 for ch in batch.chunks if ch.samples)
         return StepOutput([self.token_id] * n, self.cost_model.step_time(batch.features))
+
+    def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
+        cm = self.cost_model
+        if self._vectorised:
+            durations = cm.decode_step_times(first, num_steps)
+        else:
+            durations = [cm.step_time(decode_features(first, m)) for m in range(num_steps)]
+        return DecodeRun(durations, self.token_id)

@@ -79,7 +79,7 @@ def load_recording(path: str | Path) -> dict[int, list[RecordedStep]]:
     path = Path(path)
     if path.is_dir():
         path = path / "steps.csv"
-    if not path.is_file():
+    if not path.is_file() and not path.with_suffix(".parquet").is_file():
         raise ValueError(f"replay: no steps.csv at {path}")
     features, durations, replicas = steps_from_csv(path)
     out: dict[int, list[RecordedStep]] = {}

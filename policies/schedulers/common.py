@@ -83,3 +83,16 @@ def admit(view: SchedulerView, queue: Iterable[RequestState], chunks: dict[str, 
         chunks[state.id] = Chunk.next(state, n)
         budget -= n
     return budget
+
+
+def steady_running_order(view: SchedulerView) -> list[RequestState] | None:
+    """``SteadyDecodeScheduler.steady_decode`` of the schedulers that decode the running requests in running order
+    (``schedule_running``) and then admit through ``admit``: with every running request in decode and within the
+    token budget, the next steps decode them in running order and admit nobody as long as nothing waits, or
+    admission stops before trying anyone -- no seat left under ``max_num_seqs``, or the decodes use the whole token
+    budget. Neither changes while the state holds."""
+    limits = view.limits
+    n = len(view.running)
+    if view.waiting and n < limits.max_num_seqs and n < limits.max_num_batched_tokens:
+        return None
+    return list(view.running)

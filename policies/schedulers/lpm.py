@@ -5,7 +5,8 @@ from __future__ import annotations
 from core.batch import Batch, Chunk
 from core.checks import check_int
 from core.interfaces import SchedulerView
-from policies.schedulers.common import admit, fcfs, schedule_running
+from core.request import RequestState
+from policies.schedulers.common import admit, fcfs, schedule_running, steady_running_order
 
 
 class LPMScheduler:
@@ -16,6 +17,11 @@ class LPMScheduler:
 
     def __init__(self, fcfs_threshold: int = 128) -> None:
         self.fcfs_threshold = check_int(fcfs_threshold, "scheduler.fcfs_threshold", 0)
+
+    def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
+        """``core.interfaces.SteadyDecodeScheduler``: running order, while nothing can be admitted
+        (``steady_running_order``)."""
+        return steady_running_order(view)
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}

@@ -5,7 +5,8 @@ from __future__ import annotations
 from core.batch import Batch, Chunk
 from core.checks import check_bool
 from core.interfaces import SchedulerView
-from policies.schedulers.common import admit, fcfs, schedule_running
+from core.request import RequestState
+from policies.schedulers.common import admit, fcfs, schedule_running, steady_running_order
 
 
 class OrcaScheduler:
@@ -19,6 +20,11 @@ class OrcaScheduler:
 
     def __init__(self, reserve: bool = True) -> None:
         self.reserve = check_bool(reserve, "scheduler.reserve")
+
+    def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
+        """``core.interfaces.SteadyDecodeScheduler``: running order, while nothing can be admitted
+        (``steady_running_order``)."""
+        return steady_running_order(view)
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}

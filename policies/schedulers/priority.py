@@ -28,6 +28,11 @@ class PriorityScheduler:
     admitted (no KV or no seat under ``max_num_seqs``) preempts running requests strictly less important
     than itself until it fits (vLLM's priority preemption); the strict order rules out ping-pong."""
 
+    def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
+        """``core.interfaces.SteadyDecodeScheduler``: decodes in urgency order (fixed per request) repeat while
+        nothing waits (a waiting request may preempt a less important one, so any waiting request ends it)."""
+        return None if view.waiting else sorted(view.running, key=urgency)
+
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}
         running = sorted(view.running, key=urgency)

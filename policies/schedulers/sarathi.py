@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from core.batch import Batch, Chunk
 from core.interfaces import SchedulerView
-from policies.schedulers.common import admit, fcfs, schedule_running
+from core.request import RequestState
+from policies.schedulers.common import admit, fcfs, schedule_running, steady_running_order
 
 
 class SarathiScheduler:
@@ -12,6 +13,11 @@ class SarathiScheduler:
     prefill chunks, then new requests FCFS. Prefills are cut to what is left of ``max_num_batched_tokens``,
     so a long prompt never stalls the decodes for a whole prefill. KV exhaustion preempts the newest
     running request (recompute)."""
+
+    def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
+        """``core.interfaces.SteadyDecodeScheduler``: running order, while nothing can be admitted
+        (``steady_running_order``)."""
+        return steady_running_order(view)
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}

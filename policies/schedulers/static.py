@@ -6,6 +6,7 @@ from __future__ import annotations
 from core.batch import Batch, Chunk
 from core.checks import check_bool
 from core.interfaces import SchedulerView
+from core.request import RequestState
 from policies.schedulers.common import fcfs, lifetime_tokens, schedule_running
 
 
@@ -22,6 +23,11 @@ class StaticScheduler:
 
     def __init__(self, reserve: bool = True) -> None:
         self.reserve = check_bool(reserve, "scheduler.reserve")
+
+    def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
+        """``core.interfaces.SteadyDecodeScheduler``: a batch in its decode phase decodes the same members (running
+        order) until one finishes; nobody joins mid-batch, whatever waits."""
+        return list(view.running)
 
     def schedule(self, view: SchedulerView) -> Batch:
         budget = view.limits.max_num_batched_tokens

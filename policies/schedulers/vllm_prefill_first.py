@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from core.batch import Batch, Chunk
 from core.interfaces import SchedulerView
+from core.request import RequestState
 from policies.schedulers.common import admit, fcfs, schedule_running
 
 
@@ -16,6 +17,13 @@ class VLLMPrefillFirstScheduler:
     As in vLLM v0 without chunked prefill, a recompute needs prompt + outputs whole in one step; set
     ``max_num_batched_tokens >= max_model_len`` (vLLM enforces this) or such a request is eventually
     rejected by the idle replica."""
+
+    def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
+        """``core.interfaces.SteadyDecodeScheduler``: the decode-only step (running order) repeats while nobody can
+        be admitted without even trying: nothing waits, or no seat is left under ``max_num_seqs``."""
+        if view.waiting and len(view.running) < view.limits.max_num_seqs:
+            return None
+        return list(view.running)
 
     def schedule(self, view: SchedulerView) -> Batch:
         chunks: dict[str, Chunk] = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
 
@@ -16,6 +18,24 @@ class CostModel(Protocol):
     def step_time(self, f: StepFeatures) -> float:
         """Seconds."""
         ...
+
+
+@runtime_checkable
+class DecodeCostModel(CostModel, Protocol):
+    """Optional capability of a cost model: price a run of pure-decode steps at once (``core.fast_forward``)."""
+
+    def decode_step_times(self, first: StepFeatures, num_steps: int) -> list[float]:
+        """``step_time`` of each of ``num_steps`` decode steps, step m having the features
+        ``core.fast_forward.decode_features(first, m)`` (kv_tokens_read grows by num_decode_seqs, max_context_len by
+        1 per step), bit-identical to calling
+        ``step_time`` on each: the same expression, evaluated in the same order, over a numpy array."""
+        ...
+
+
+def decode_steps(first: StepFeatures, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kv_tokens_read, max_context_len) of each step of a decode run starting with ``first`` (int64 arrays)."""
+    m = np.arange(num_steps, dtype=np.int64)
+    return first.kv_tokens_read + m * first.num_decode_seqs, first.max_context_len + m
 
 
 def _plain(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import yaml
 
 from core.batch import StepFeatures
 from core.checks import check_float, check_keys
+from sim.cost.base import decode_steps
 
 TARGET = "sim.cost.linear.LinearCostModel"
 
@@ -37,6 +38,16 @@ class LinearCostModel:
         return (self.c0_s + self.per_prefill_token_s * f.num_prefill_tokens + self.per_decode_seq_s * f.num_decode_seqs
                 + self.per_attention_pair_s * f.attention_pairs + self.per_kv_token_read_s * f.kv_tokens_read
                 + self.per_prefill_context_token_s * (f.prefill_kv_tokens - f.num_prefill_tokens))
+
+    def decode_step_times(self, first: StepFeatures, num_steps: int) -> list[float]:
+        """``step_time`` of a run of decode steps (``sim.cost.base.DecodeCostModel``): the terms in
+        ``step_time``'s order, the one that varies (KV tokens read) as an array, so each float is the scalar's."""
+        kv, _ = decode_steps(first, num_steps)
+        head = (self.c0_s + self.per_prefill_token_s * first.num_prefill_tokens
+                + self.per_decode_seq_s * first.num_decode_seqs + self.per_attention_pair_s * first.attention_pairs)
+        t = head + self.per_kv_token_read_s * kv
+        t = t + self.per_prefill_context_token_s * (first.prefill_kv_tokens - first.num_prefill_tokens)
+        return t.tolist()
 
     def to_dict(self) -> dict[str, Any]:
         return {"_target_": TARGET, **asdict(self)}

@@ -11,11 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.checks import check_float, check_fraction
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost.base import as_hardware_spec, as_model_spec
+from sim.cost.base import as_hardware_spec, as_model_spec, decode_steps
 
 LOGIT_BYTES = 4  # logits are written in float32
 ALLREDUCES_PER_LAYER = 2  # after attention and after the MLP (Megatron-style tensor parallelism)
@@ -130,3 +132,20 @@ class RooflineCostModel:
         fr, br = self._flop_rate, self._byte_rate
         compute = sum(max(fl / fr, by / br) for fl, by in self._groups(f))
         return compute + self._allreduce_s_per_token * f.num_batched_tokens + self.overhead_s
+
+    def decode_step_times(self, first: StepFeatures, num_steps: int) -> list[float]:
+        """``step_time`` of a run of decode steps (``sim.cost.base.DecodeCostModel``), bit-identical to the scalar:
+        the op groups in ``step_time``'s order, each ``max(FLOPs / rate, bytes / rate)``, summed left to right from
+        0; only attention decode varies (KV tokens read), as a numpy array, the other terms are the scalar floats."""
+        if first.num_batched_tokens == 0:
+            return [self.overhead_s] * num_steps
+        kv, _ = decode_steps(first, num_steps)
+        fr, br = self._flop_rate, self._byte_rate
+        g = self._groups(first)
+        compute = 0 + max(g[0][0] / fr, g[0][1] / br) + max(g[1][0] / fr, g[1][1] / br)
+        t = compute + np.maximum(self._pair_flops * kv / fr, self._kv_bytes * kv / br)
+        t = t + max(g[3][0] / fr, g[3][1] / br)
+        t = t + max(g[4][0] / fr, g[4][1] / br)
+        t = t + self._allreduce_s_per_token * first.num_batched_tokens
+        t = t + self.overhead_s
+        return t.tolist()

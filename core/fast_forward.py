@@ -1,0 +1,219 @@
+"""Decode fast-forward: runs of pure-decode steps that provably cannot change a replica's schedule, without calling
+the scheduler, the executor or ``Replica.apply`` for each of them.
+
+When, after a step, every running request of a replica is in decode (its next chunk is one token), its scheduler
+promises that such a state repeats itself and says in which order it decodes (``SteadyDecodeScheduler``), and its
+executor predicts decode steps (``Executor.predicts_decodes``: the simulator's cost-model executor), the next steps
+are known in advance: the same decodes, each request one token further, each step reading ``num_seqs`` more KV
+tokens. A ``DecodeRun`` then stands for those steps:
+
+- step times come from ``Executor.decode_run`` (vectorised over the growing context, bit-identical to ``execute``);
+- the KV allocations the scheduler would make (a request crossing a block boundary) are made at the same step
+  start, in the scheduler's order, with the same clock reading, so the pool, the eviction policy and the prefix
+  cache evolve exactly as per step;
+- output tokens and token times are filled in bulk (``sync``, through ``RequestState.add_tokens``), when someone
+  needs them: when the run ends, and when a router reads the replica (``Replica.view``).
+
+The run still takes one clock event per step, created when the per-step loop would create it, and appends one
+``StepRecord`` per step when that event fires (a simulated clock calls ``DecodeRun.advance`` from its event loop,
+``core.loop.Decodes``; another clock gets one ``Sleep`` per step): the clock's order of events -- between replicas
+whose steps end at the same float time, between a step and an arrival -- stays exactly the per-step order, so
+steps.csv, every router decision and every closed-loop follow-up are byte-identical to a per-step run. What a step
+costs is then a heap push and pop and a record instead of scheduling, pricing and applying a batch. (One event
+per *run* instead would lose that order: two replicas in lockstep end steps at equal float times, and which comes
+first -- hence the order of steps.csv rows -- depends on when each step's event was created.)
+
+Horizon. Before each step ``m`` of the run (at the moment the per-step loop would call ``schedule``) the run checks
+what could make ``schedule`` decide differently, and ends (the replica materialises its tokens and goes back to
+per-step) when any holds:
+
+- a request would finish at the end of step m (``max_new_tokens``, or the executor's token is one of its stop ids
+  past ``min_tokens``): that step is run per step, so ``apply`` finishes it and ``on_terminal`` fires as usual;
+- the waiting queue changed (a request was dispatched to this replica) or an abort is pending;
+- a request (waiting or running) would time out at this step's start (``request_timeout_s``, same comparison as
+  ``Replica._expire``);
+- the step's KV allocations do not all fit in the free (plus evictable) blocks: the scheduler would preempt.
+
+Arrivals routed to *other* replicas do not end a run: the router reads this replica through ``Replica.view``, which
+first syncs the run (tokens of the steps completed so far), so it sees exactly the per-step state.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from core.batch import StepFeatures
+from core.interfaces import Executor
+from core.records import StepRecord
+from core.request import RequestState
+
+if TYPE_CHECKING:
+    from core.replica import Replica
+
+FIRST_CHUNK = 16  # steps priced by the first Executor.decode_run call; each further call doubles, up to MAX_CHUNK
+MAX_CHUNK = 1024
+
+
+def decode_features(first: StepFeatures, m: int) -> StepFeatures:
+    """Step ``m`` of a decode run whose step 0 has features ``first``: every sequence one token further."""
+    n = first.num_decode_seqs
+    return StepFeatures(n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m)
+
+
+# One StepFeatures and one StepRecord per fast-forwarded step are most of what such a step costs, and a frozen
+# dataclass's __init__ (object.__setattr__ per field) is several times slower than setting its slots directly. These
+# two build the very same objects (same class, same field values: equal, same rows) through the slot descriptors;
+# the field lists are checked here, so a changed dataclass fails at import instead of building wrong objects.
+_FEATURE_FIELDS = ("num_seqs", "num_batched_tokens", "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs",
+                   "attention_pairs", "kv_tokens_read", "prefill_kv_tokens", "max_context_len")
+_RECORD_FIELDS = ("replica", "start_s", "duration_s", "features", "kv_blocks_used", "num_preempted")
+if StepFeatures.names() != _FEATURE_FIELDS or tuple(StepRecord.__dataclass_fields__) != _RECORD_FIELDS:
+    raise ImportError("core.fast_forward: StepFeatures / StepRecord fields changed; update _decode_step")
+_f_seqs, _f_tokens, _f_pseqs, _f_ptokens, _f_dseqs, _f_pairs, _f_kv, _f_pkv, _f_ctx = (
+    StepFeatures.__dict__[k].__set__ for k in _FEATURE_FIELDS)
+_r_replica, _r_start, _r_duration, _r_features, _r_blocks, _r_preempted = (
+    StepRecord.__dict__[k].__set__ for k in _RECORD_FIELDS)
+_new = object.__new__
+
+
+def _decode_step(replica: int, start: float, duration: float, n: int, kv: int, ctx: int, blocks: int) -> StepRecord:
+    """``StepRecord(replica, start, duration, StepFeatures(n, n, 0, 0, n, 0, kv, 0, ctx), blocks, 0)``, faster."""
+    f = _new(StepFeatures)
+    _f_seqs(f, n), _f_tokens(f, n), _f_pseqs(f, 0), _f_ptokens(f, 0), _f_dseqs(f, n), _f_pairs(f, 0)
+    _f_kv(f, kv), _f_pkv(f, 0), _f_ctx(f, ctx)
+    r = _new(StepRecord)
+    _r_replica(r, replica), _r_start(r, start), _r_duration(r, duration), _r_features(r, f), _r_blocks(r, blocks)
+    _r_preempted(r, 0)
+    return r
+
+
+class DecodeRun:
+    """Steps of a replica in steady decode, from the moment a step was applied after which every running request
+    decodes, in the scheduler's ``order`` (see the module docstring). ``core.loop`` drives it: ``start(now)``
+    before each step (its duration, or None: the run ends), ``done(...)`` when the step's clock event fires (its
+    StepRecord); ``Replica.end_decode_run`` ends it."""
+
+    __slots__ = ("replica", "states", "first", "executor", "kv", "waiting", "waiting_len", "waiting_last",
+                 "timeout", "min_arrival", "limit", "token", "durations", "ends", "synced", "m", "used_blocks",
+                 "index", "steps", "step_start", "step_duration", "_allocs", "_next_alloc", "_bs")
+
+    def __init__(self, replica: Replica, order: Sequence[RequestState], executor: Executor, limit: int) -> None:
+        self.replica, self.executor, self.kv = replica, executor, replica.kv
+        self.states = states = list(order)  # the order the scheduler decodes and allocates in (steady_decode)
+        n = len(states)
+        ctx = [s.num_computed_tokens + 1 for s in states]  # each next decode attends to its context and itself
+        self.first = StepFeatures(n, n, 0, 0, n, 0, sum(ctx), 0, max(ctx))
+        run = executor.decode_run(self.first, min(FIRST_CHUNK, limit))
+        self.durations: list[float] = list(run.durations)
+        self.token = run.token
+        if any(self.token in s.stop_token_ids for s in states):
+            limit = min(limit, finish_limit(states, self.token))
+        self.limit = limit
+        self.waiting = waiting = replica.waiting
+        self.waiting_len, self.waiting_last = len(waiting), (waiting[-1] if waiting else None)
+        self.timeout = timeout = replica.limits.request_timeout_s
+        self.min_arrival = min(s.request.arrival_s for s in (*states, *waiting)) if timeout is not None else 0.0
+        self.ends: list[float] = []  # end time of each completed step
+        self.synced = 0  # completed steps whose tokens are in the request states
+        self.m = 0  # the next step to start (= steps started so far)
+        # (step, chunk index): the next step at which a request needs a new KV block -- per step the scheduler
+        # allocates room for context c + m + 1 tokens, which a table of b blocks holds while c + m + 1 <= b * size
+        bs = self._bs = self.kv.block_size
+        held = self.kv.num_blocks_held
+        allocs = [(held(s.id) * bs - s.num_computed_tokens, i) for i, s in enumerate(states)]
+        self._allocs = [a for a in allocs if a[0] < limit]
+        heapq.heapify(self._allocs)
+        self._next_alloc = self._allocs[0][0] if self._allocs else limit
+        self.used_blocks = self.kv.num_used_blocks  # changes only by this run's allocations while it lasts
+
+    def begin(self, index: int, steps: list[StepRecord], now: float) -> float | None:
+        """Start the run at clock ``now`` on replica ``index``, its StepRecords going to ``steps``: the first step's
+        duration, or None (the run does not even start)."""
+        self.index, self.steps = index, steps
+        self.step_start, self.step_duration = now, self.start(now)
+        return self.step_duration
+
+    def advance(self, end: float) -> float | None:
+        """The current step ended at clock ``end``: record it and start the next; its duration, or None: the run
+        is over (the replica goes back to schedule / execute / apply at this very moment)."""
+        self.steps.append(self.done(self.index, self.step_start, self.step_duration, end))
+        self.step_start, self.step_duration = end, self.start(end)
+        return self.step_duration
+
+    def start(self, now: float) -> float | None:
+        """Before step ``self.m`` at clock ``now``: its duration, its KV allocations made; None if the run ends."""
+        m = self.m
+        if m >= self.limit or self.replica.has_aborts:
+            return None
+        waiting = self.waiting
+        if len(waiting) != self.waiting_len or (waiting and waiting[-1] is not self.waiting_last):
+            return None
+        if self.timeout is not None and self.min_arrival < now - self.timeout:  # as Replica._expire compares
+            return None
+        if m == self._next_alloc and not self._allocate(m, now):
+            return None
+        durations = self.durations
+        if m >= len(durations):
+            size = min(max(FIRST_CHUNK, min(2 * len(durations), MAX_CHUNK)), self.limit - m)
+            durations.extend(self.executor.decode_run(decode_features(self.first, m), size).durations)
+        self.m = m + 1
+        return durations[m]
+
+    def _allocate(self, m: int, now: float) -> bool:
+        """The blocks the scheduler would allocate at step m (requests whose next token starts a block), in chunk
+        order; False (nothing allocated) if they do not all fit: the scheduler would preempt."""
+        allocs = self._allocs
+        due = []
+        while allocs and allocs[0][0] == m:
+            due.append(heapq.heappop(allocs)[1])  # (m, chunk index) pairs pop in chunk order
+        if len(due) > self.kv.num_free_blocks:
+            return False
+        lag = m - self.synced  # tokens computed since the last sync, not yet in num_computed_tokens
+        allocate, states, nxt = self.kv.allocate, self.states, m + self._bs
+        for i in due:
+            state = states[i]
+            ok = allocate(state, lag + 1, now)
+            assert ok, f"fast-forward: allocation for {state.id} failed although blocks were free"
+            if nxt < self.limit:
+                heapq.heappush(allocs, (nxt, i))
+        self.used_blocks += len(due)
+        self._next_alloc = allocs[0][0] if allocs else self.limit
+        return True
+
+    def done(self, replica: int, start: float, duration: float, end: float) -> StepRecord:
+        """The step started last (at ``start``, lasting ``duration``) ended at clock ``end``: its StepRecord."""
+        m = self.m - 1  # the step started last
+        self.ends.append(end)
+        first = self.first
+        n = first.num_seqs
+        return _decode_step(replica, start, duration, n, first.kv_tokens_read + m * n, first.max_context_len + m,
+                            self.used_blocks)
+
+    def sync(self) -> None:
+        """Put the tokens of the completed steps into the request states (bulk append)."""
+        done, synced = len(self.ends), self.synced
+        k = done - synced
+        if k <= 0:
+            return
+        times, toks = self.ends[synced:done], [self.token] * k
+        for state in self.states:
+            state.add_tokens(toks, times)
+            state.num_computed_tokens += k
+        self.synced = done
+
+
+def finish_limit(states: Sequence[RequestState], token: int | None = None) -> int:
+    """Steps (from the next) that end no request: step m gives each request its output number o + m + 1, which
+    finishes it at ``max_new_tokens``, or when ``token`` is one of its stop ids and it has more than ``min_tokens``
+    outputs (as ``Replica.apply`` decides)."""
+    limit = None
+    for s in states:
+        o, r = len(s.output_token_ids), s.request
+        m = r.max_new_tokens - o - 1
+        if token is not None and token in s.stop_token_ids:
+            m = min(m, max(0, r.min_tokens - o))
+        if limit is None or m < limit:
+            limit = m
+    return max(limit or 0, 0)
