@@ -24,6 +24,7 @@ from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.specs import HardwareSpec, ModelSpec
+from experiments.targets import check_targets
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BACKENDS = ("sim", "engine")
@@ -158,6 +159,7 @@ def instantiate_group(node: DictConfig, group: str, **kwargs) -> Any:
     """Hydra's instantiate for one config group, failing with the key to fix."""
     if "_target_" not in node:
         raise ValueError(f"{group} config has no _target_; choose one of conf/{group}/*.yaml or set {group}._target_")
+    check_targets(OmegaConf.to_container(node, resolve=False), group)  # before Hydra calls anything
     try:
         return instantiate(node, **kwargs)
     except Exception as e:  # Hydra wraps what the target raised; restate it with the key to fix
@@ -296,7 +298,8 @@ def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
         replicas = replicas_for(cfg)
     executors = make_executors(replicas) if make_executors else build_executors(cfg, model_spec(cfg), replicas)
     return ServingLoop(replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload),
-                       frontend_delay_s=frontend_delay(cfg))
+                       frontend_delay_s=frontend_delay(cfg),
+                       fast_forward=check_bool(cfg.backend.get("fast_forward", True), "backend.fast_forward"))
 
 
 def frontend_delay(cfg: DictConfig) -> float:

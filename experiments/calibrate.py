@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass
@@ -63,6 +64,8 @@ from sim.calibration import (
     steps_from_csv,
     write_calibration,
 )
+
+log = logging.getLogger(__name__)
 
 GRID_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts", "mixed_chunks",
              "mixed_decodes", "mixed_context")
@@ -245,7 +248,7 @@ def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: 
         for st in shaped.states:
             executor.release(st.id)
         if progress and (n + 1) % 10 == 0:
-            print(f"profiled {n + 1}/{len(shapes)} shapes", flush=True)
+            log.info(f"profiled {n + 1}/{len(shapes)} shapes")
     return [ProfileRow(s, f, x) for s, f, x in zip(shapes, features, samples, strict=True)]
 
 
@@ -286,7 +289,7 @@ def run_steps(sources: Sequence[StepSource]) -> tuple[list[StepFeatures], np.nda
         p, limit = (src if isinstance(src, tuple) else (src, None))
         p = Path(p)
         csv_path = p / "steps.csv" if p.is_dir() else p
-        if not csv_path.is_file():
+        if not csv_path.is_file() and not csv_path.with_suffix(".parquet").is_file():  # either format
             raise ValueError(f"calibrate.steps: no steps.csv at {p}")
         f, d, _ = steps_from_csv(csv_path)
         keep = [i for i, x in enumerate(d.tolist()[:limit]) if x > 0 and math.isfinite(x)]
@@ -379,7 +382,7 @@ def run_profile(cfg: DictConfig, out_dir: str | Path) -> Path:
     (out / "grid.json").write_text(json.dumps({"grid": grid, "num_shapes": len(shapes), "skipped": notes},
                                               indent=2) + "\n")
     if notes:
-        print(f"calibrate: {len(shapes)} shapes; {len(notes)} left out (see grid.json), e.g. {notes[0]}", flush=True)
+        log.info(f"calibrate: {len(shapes)} shapes; {len(notes)} left out (see grid.json), e.g. {notes[0]}")
     rows = profile(cfg, shapes, int(c.repeats), int(c.warmup), int(c.seed), bool(c.get("progress", False)))
     return write_profile(out / "profile.csv", rows)
 
@@ -551,12 +554,12 @@ def describe(cal: Calibration) -> str:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     cal = calibrate(cfg, out)
-    print(describe(cal))
+    log.info(describe(cal))
     for name in FITS:
         if name in cal.paths:
-            print(f"{name}: {cal.paths[name].resolve()}")
+            log.info(f"{name}: {cal.paths[name].resolve()}")
     first = next(n for n in FITS if n in cal.paths)
-    print(f"use it: python -m experiments.run cost_model=calibrated cost_model.path={cal.paths[first].resolve()}")
+    log.info(f"use it: python -m experiments.run cost_model=calibrated cost_model.path={cal.paths[first].resolve()}")
 
 
 if __name__ == "__main__":

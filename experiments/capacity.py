@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from experiments.build import CONF_DIR
 from experiments.cli import user_errors
 from experiments.overrides import apply_overrides
 from experiments.runs import run
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,8 @@ def describe(result: CapacityResult) -> str:
 def main(cfg: DictConfig) -> float | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     result = capacity(cfg, out)
-    print(describe(result))
-    print(f"wrote {out}")
+    log.info(describe(result))
+    log.info(f"wrote {out}")
     return result.capacity_rps
 
 

@@ -31,6 +31,7 @@ See docs/serving.md.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.output import read_metrics, read_timing
+from core.output import has_table, read_metrics, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
 from experiments.cli import user_errors
@@ -49,6 +50,8 @@ from experiments.interleave import run_interleaved
 from experiments.overrides import apply_overrides, with_backend, with_calibration
 from experiments.runs import replay, run, same_files
 from sim.calibration import FitReport, load_calibration, predict, report, steps_from_csv
+
+log = logging.getLogger(__name__)
 
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 PERCENTILES = (50, 90, 99)
@@ -128,7 +131,7 @@ def measured_run(cfg: DictConfig, source: str | Path, out_dir: Path) -> tuple[di
     if src.is_file() and src.suffix == ".json":
         metrics = bench_serve_to_run(src, out_dir, metrics_options(cfg, model_spec(cfg)))
         workload_cfg = None
-    elif (src / "requests.csv").is_file() and (src / "metrics.json").is_file():
+    elif has_table(src, "requests") and (src / "metrics.json").is_file():
         if src.resolve() != out_dir.resolve():
             shutil.copytree(src, out_dir, dirs_exist_ok=True)
         metrics = read_metrics(out_dir / "metrics.json")
@@ -150,14 +153,17 @@ def _request_list(run_dir: Path) -> Path:
     produced no output (rejected, timed out before its first token) is simulated with one output token."""
     import csv
 
-    rows = list(csv.DictReader((run_dir / "requests.csv").open()))
+    from core.output import fmt, read_requests
+
+    r = read_requests(run_dir)  # requests.csv or requests.parquet
     path = run_dir / "request_list.csv"
     with path.open("w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["id", "arrival_s", "prompt_tokens", "output_tokens", "warmup"])
-        for r in rows:
-            w.writerow([r["id"], r["arrival_s"], r["prompt_tokens"], max(1, int(r["output_tokens"] or 0)),
-                        r.get("warmup") or 0])
+        warmup = r["warmup"].tolist() if "warmup" in r else [False] * len(r["id"])
+        for i, a, n, o, wu in zip(r["id"].tolist(), r["arrival_s"].tolist(), r["prompt_tokens"].tolist(),
+                                  r["output_tokens"].tolist(), warmup, strict=True):
+            w.writerow([i, fmt(a), fmt(n), max(1, int(o if o == o else 0)), int(wu)])
     return path
 
 
@@ -310,13 +316,14 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     summary = compare(cfg, out)
     if "text" in summary["calibration"]:
-        print(summary["calibration"]["text"])
+        log.info(summary["calibration"]["text"])
     logic = summary.get("logic")
     if logic is not None:
-        print("replay of the engine's step times:", "identical (logic error 0)" if logic["identical"]
-              else f"DIFFERS: {logic['divergence'] or logic['files']}")
-    print(errors_markdown(summary["errors"]))
-    print(f"wrote {out}")
+        verdict = ("identical (logic error 0)" if logic["identical"]
+                   else f"DIFFERS: {logic['divergence'] or logic['files']}")
+        log.info(f"replay of the engine's step times: {verdict}")
+    log.info(errors_markdown(summary["errors"]))
+    log.info(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -702,8 +702,8 @@ def _main(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     t = time.perf_counter()
     metrics = run_loadgen(cfg, out_dir)
-    print(summary_line(metrics))
-    print(f"wrote {out_dir} ({time.perf_counter() - t:.1f} s)")
+    log.info(summary_line(metrics))
+    log.info(f"wrote {out_dir} ({time.perf_counter() - t:.1f} s)")
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ workloads, and write plots and a summary into one directory (outputs/pipeline/<t
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,8 @@ from experiments.build import CONF_DIR
 from experiments.cli import user_errors
 from experiments.compare import compare, errors_markdown
 from experiments.overrides import apply_overrides
+
+log = logging.getLogger(__name__)
 
 
 def _pct(v: float | None) -> str:
@@ -141,8 +144,8 @@ def main(cfg: DictConfig) -> None:
     if not OmegaConf.select(cfg, "pipeline"):
         raise ValueError("pipeline: missing the `pipeline` section (conf/pipeline.yaml)")
     result = pipeline(cfg, out)
-    print((out / "summary.md").read_text())
-    print(f"pipeline finished in {result['wall_s']:.0f} s; results in {out.resolve()}")
+    log.info((out / "summary.md").read_text())
+    log.info(f"pipeline finished in {result['wall_s']:.0f} s; results in {out.resolve()}")
 
 
 if __name__ == "__main__":

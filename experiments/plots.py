@@ -6,6 +6,7 @@ on runs made earlier. Several runs passed together are overlaid (e.g. sim vs eng
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,16 +14,117 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.figure  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
-from core.metrics import itl_samples  # noqa: E402
-from core.output import read_metrics, read_requests_csv, read_steps_csv, read_tokens_csv  # noqa: E402
+from core.output import has_table, read_metrics, read_requests, read_steps, read_tokens  # noqa: E402
 
 STYLE = {"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
          "axes.spines.right": False, "legend.frameon": False, "font.size": 9}
 COLORS = plt.get_cmap("tab10").colors
+
+
+# ---- figure conventions (issue 14): legends off the data, thresholds drawn, linear y axes from 0 -----------------
+def legend_outside(target, fontsize: float = 7, below: bool = False, **kw):
+    """The one legend placement of every figure: outside the plotting area, to its right (``_save`` writes with
+    ``bbox_inches="tight"`` so it is kept). ``target``: an Axes (its own entries) or a Figure (one legend for all
+    its panels, each label once: for panels that share their series). Threshold lines (``threshold_line``) are
+    labelled where they are drawn and left out; the key of the 95% bands (``interval_key``) comes last. ``below``:
+    under an Axes instead (side-by-side panels whose long entries differ). None when nothing is labelled."""
+    axes = target.axes if isinstance(target, matplotlib.figure.Figure) else [target]
+    seen: dict = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if getattr(h, "get_gid", lambda: None)() != "threshold":
+                seen.setdefault(lab, h)
+    if not seen:
+        return None
+    seen = dict(sorted(seen.items(), key=lambda kv: getattr(kv[1], "get_gid", lambda: None)() == "interval"))
+    if isinstance(target, matplotlib.figure.Figure):
+        return target.legend(list(seen.values()), list(seen), loc="upper left", bbox_to_anchor=(1.0, 0.98),
+                             fontsize=fontsize, **kw)
+    if below:
+        return target.legend(list(seen.values()), list(seen), loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                             borderaxespad=0.0, fontsize=fontsize, **kw)
+    return target.legend(list(seen.values()), list(seen), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                         borderaxespad=0.0, fontsize=fontsize, **kw)
+
+
+def y_from_zero(ax) -> None:
+    """A linear y axis over non-negative data starts at 0: an axis zoomed to its data turns a 1% difference into a
+    cliff. Log axes and axes with negative data are left as they are."""
+    if ax.get_yscale() == "linear" and np.isfinite(ax.dataLim.y0) and ax.dataLim.y0 >= 0:
+        ax.set_ylim(bottom=0)
+
+
+def threshold_line(ax, value: float, label: str, axis: str = "y"):
+    """A dashed reference line at a threshold that matters (an SLO target, a required attainment), its label
+    written beside it (above the right end of a horizontal line, left of the top of a vertical one: inside the
+    axes, clear of a legend outside them) rather than in the legend,
+    where several dashed lines would look alike."""
+    if axis == "y":
+        line = ax.axhline(value, color="0.25", ls="--", lw=0.9, label=label, zorder=1.5)
+        ax.text(0.995, value, label, transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=6,
+                color="0.25")
+    else:
+        line = ax.axvline(value, color="0.25", ls="--", lw=0.9, label=label, zorder=1.5)
+        ax.text(value, 0.98, label, transform=ax.get_xaxis_transform(), rotation=90, ha="right", va="top",
+                fontsize=6, color="0.25")
+    line.set_gid("threshold")
+    return line
+
+
+def _unit(label: str) -> str:
+    """The unit in an axis label's trailing parentheses (``TTFT p99 (s)`` -> `` s``), else ''."""
+    m = re.search(r"\(([^()]*)\)\s*$", label)
+    return f" {m.group(1)}" if m and m.group(1) not in ("share",) else ""
+
+
+def slo_of(key: str, metrics: Sequence[Mapping]) -> list[float]:
+    """The distinct SLO targets (seconds, from each metrics.json's ``slo``) of the latency a dotted metrics key
+    summarises: ``ttft_s.p99`` and ``groups.prompt_len.x.ttft_s.p50`` -> ``slo.ttft_s``; [] for other keys."""
+    parts = key.split(".")
+    base = parts[-2] if len(parts) > 1 else parts[0]
+    out: list[float] = []
+    for m in metrics:
+        v = ((m or {}).get("slo") or {}).get(base)
+        if v is not None and float(v) not in out:
+            out.append(float(v))
+    return out
+
+
+def reference_lines(ax, key: str, label: str, scale: float, metrics: Sequence[Mapping],
+                    targets: Mapping[str, tuple[float, str]] | None = None) -> None:
+    """The SLO target lines of a latency panel (``slo_of``, in the panel's ``scale``) and the ``targets`` line of
+    ``key`` (metrics key -> (value as drawn, label)), e.g. the attainment a capacity must keep."""
+    for v in slo_of(key, metrics):
+        threshold_line(ax, v * scale, f"SLO {v * scale:g}{_unit(label)}")
+    if targets and key in targets:
+        threshold_line(ax, *targets[key])
+
+
+def interval_key(ax) -> None:
+    """The legend entry of the shaded 95% intervals: one neutral patch, whatever the series' colours."""
+    ax.fill_between([], [], color="0.5", alpha=0.3, lw=0, label="95% interval over seeds").set_gid("interval")
+
+
+def metric_ci(metrics: Mapping, key: str, scale: float = 1.0) -> tuple[float, float] | None:
+    """The 95% interval of a dotted metrics key over repeated seeds (``repeats.ci95``, written by
+    experiments.studies.common.aggregate), times ``scale``; None without repeats."""
+    ci = ((metrics or {}).get("repeats") or {}).get("ci95", {}).get(key)
+    if not ci or ci[0] is None:
+        return None
+    return float(ci[0]) * scale, float(ci[1]) * scale
+
+
+def drawn_ci(value: float, ci: tuple[float, float] | None) -> tuple[float, float] | None:
+    """An interval as drawn: cut at 0 where the value is not negative (a latency, a count, a share cannot go
+    below 0; the t interval of a few widely spread repeats can). Tables print the interval uncut."""
+    if ci is None:
+        return None
+    return (max(ci[0], 0.0), ci[1]) if np.isfinite(value) and value >= 0 else ci
 
 
 @dataclass
@@ -43,28 +145,53 @@ class RunData:
 
     def itl(self) -> np.ndarray:
         """Inter-token latencies of finished, non-warmup requests, by core.metrics' definition."""
-        keep = set(self.requests["id"][self._measured()].tolist())
         t = self.tokens
-        events: dict[str, list[tuple[float, int]]] = {}
-        for rid, _idx, time, k in sorted(zip(t["request_id"].tolist(), t["index"].tolist(), t["time_s"].tolist(),
-                                            t["num_tokens"].tolist(), strict=True)):
-            if rid in keep:
-                events.setdefault(rid, []).append((time, k))
-        return np.array([x for ev in events.values() for x in itl_samples(ev)])
+        if not len(t.get("request_id", [])):  # no tokens file (output.tokens=none): metrics.json has the ITL stats
+            return np.empty(0)
+        rid, order = t["request_id"], _event_order(t["request_id"], t["index"])
+        rid, time, k = rid[order], t["time_s"][order].astype(float), t["num_tokens"][order]
+        later = (rid[1:] == rid[:-1]) & np.isin(rid[1:], self.requests["id"][self._measured()])
+        k = k[1:][later]  # each later event: its gap to the previous event / its k tokens, k times
+        return np.repeat((time[1:] - time[:-1])[later] / k, k)
+
+
+def _event_order(rid: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The rows of a tokens table sorted by (request id, event index), without a per-token Python loop. A file
+    as written (each request's events together, in index order) only has its request blocks sorted."""
+    n = len(rid)
+    if n < 2:
+        return np.arange(n)
+    start = np.flatnonzero(np.r_[True, rid[1:] != rid[:-1]])
+    blocks = rid[start]
+    inside = np.ones(max(n - 1, 0), dtype=bool)
+    inside[start[1:] - 1] = False  # row pairs within one block
+    if np.all(np.diff(index)[inside] > 0) and len(np.unique(blocks)) == len(blocks):
+        ends = np.r_[start[1:], n]
+        return np.concatenate([np.arange(start[j], ends[j]) for j in np.argsort(blocks, kind="stable")])
+    return np.lexsort((index, rid))
 
 
 def load_run(run_dir: str | Path) -> RunData:
     """A run directory's files; a black-box measurement (loadgen, vLLM) has no steps.csv: its steps are empty."""
-    d = Path(run_dir)
-    steps = read_steps_csv(d / "steps.csv") if (d / "steps.csv").is_file() else {}
-    return RunData(read_requests_csv(d / "requests.csv"), read_tokens_csv(d / "tokens.csv"), steps,
+    d = Path(run_dir)  # CSV or Parquet (core.output.read_table); no tokens file with output.tokens=none
+    steps = read_steps(d) if has_table(d, "steps") else {}
+    return RunData(read_requests(d), read_tokens(d) if has_table(d, "tokens") else {}, steps,
                    read_metrics(d / "metrics.json"))
+
+
+MAX_POINTS = 2000  # a CDF line drawn through at most this many of its points (quantiles): cheap for any run size
+
+
+def thin(n: int, limit: int) -> np.ndarray:
+    """Indices of at most ``limit`` evenly spread points of ``n`` (first and last kept): all when n <= limit."""
+    return np.arange(n) if n <= limit else np.unique(np.linspace(0, n - 1, limit).round().astype(np.int64))
 
 
 def cdf(ax, values: np.ndarray, label: str, color=None, linestyle="-") -> None:
     v = np.sort(np.asarray(values, dtype=float))
     if len(v):
-        ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=f"{label} (n={len(v)})", color=color,
+        keep = thin(len(v), MAX_POINTS)
+        ax.step(v[keep], (keep + 1) / len(v), where="post", label=f"{label} (n={len(v)})", color=color,
                 linestyle=linestyle)
 
 
@@ -113,14 +240,14 @@ def draw_latency_cdfs(runs: Mapping[str, RunData]):
                 values = values[values > 0]
             cdf(ax, values, label, COLORS[i % 10], "-" if i == 0 else "--")
         if col in slo:
-            ax.axvline(slo[col], color="0.3", ls="--", lw=0.9, label=f"SLO {slo[col]:g} s")
+            threshold_line(ax, slo[col], f"SLO {slo[col]:g} s", axis="x")
         if col in LOG_LATENCIES:
             ax.set_xscale("log")
             plain_log_ticks(ax.xaxis)
         ax.set_xlabel(f"{name} (s{', log scale' if col in LOG_LATENCIES else ''})")
         ax.set_ylabel("fraction of requests" if col != "itl" else "fraction of tokens")
         ax.set_ylim(0, 1.02)
-        ax.legend(fontsize=7, loc="best")
+        legend_outside(ax)
     return fig, axes
 
 
@@ -150,6 +277,9 @@ def kv_timeline(steps: Mapping[str, np.ndarray], gap_factor: float = 5.0) -> tup
     return np.insert(t, gaps, t[gaps - 1] + d[gaps - 1]), np.insert(kv, gaps, np.nan)
 
 
+MAX_STEP_POINTS = 20000  # step_timeline draws at most about this many steps per run (every k-th of a long run)
+
+
 def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
     """Per-step duration, batch composition and KV use over time (first replica of each run); the KV line
     breaks across idle gaps (``kv_timeline``)."""
@@ -160,20 +290,27 @@ def step_timeline(runs: Mapping[str, RunData], path: str | Path) -> Path:
             if not len(s.get("start_s", [])):
                 continue
             first = s["replica"] == s["replica"].min()
+            kt, kv = kv_timeline({k: s[k][first] for k in ("start_s", "duration_s", "kv_blocks_used")})
+            first = np.flatnonzero(first)
+            first = first[np.arange(0, len(first), max(1, len(first) // MAX_STEP_POINTS))]  # long runs: thinned
             t = s["start_s"][first]
             c = COLORS[i % 10]
             axes[0].plot(t, s["duration_s"][first] * 1e3, ".", ms=2, color=c, label=label)
             axes[1].plot(t, s["num_prefill_tokens"][first], ".", ms=2, color=c, label=f"{label} prefill tokens")
             axes[1].plot(t, s["num_decode_seqs"][first], "x", ms=2, color=c, alpha=0.5,
                          label=f"{label} decode seqs")
-            kt, kv = kv_timeline({k: s[k][first] for k in ("start_s", "duration_s", "kv_blocks_used")})
+            if len(kt) > MAX_STEP_POINTS:  # every idle-gap break (NaN) and its neighbours kept
+                gap = np.flatnonzero(np.isnan(kv))
+                keep = np.union1d(np.arange(0, len(kt), len(kt) // MAX_STEP_POINTS),
+                                  np.concatenate([gap - 1, gap, gap + 1, [len(kt) - 1]]).clip(0, len(kt) - 1))
+                kt, kv = kt[keep], kv[keep]
             axes[2].plot(kt, kv, "-", lw=0.8, color=c, label=label)
         axes[0].set_ylabel("step time (ms)")
         axes[1].set_ylabel("tokens or sequences per step")
         axes[2].set_ylabel("KV blocks used (blocks)")
         axes[2].set_xlabel("time (s)")
         for ax in axes:
-            ax.legend(fontsize=7, loc="best")
+            legend_outside(ax)
         return _save(fig, path)
 
 
@@ -209,13 +346,24 @@ def axis_label(key: str) -> str:
 
 
 def lines(ax, x: Sequence[float], ys: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
-          markers: bool = True) -> None:
-    """Curves sharing an x axis (e.g. latency vs request rate), one per label, with consistent colours."""
+          markers: bool = True, bands: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+          legend: bool = True) -> None:
+    """Curves sharing an x axis (e.g. latency vs request rate), one per label, with consistent colours; ``bands``
+    (label -> (low, high) per x, NaN where unknown) shades an interval around a curve (a 95% interval over
+    repeats). ``legend=False`` leaves the legend to the caller (one per figure: ``legend_outside(fig)``)."""
+    first_band = True
     for i, (label, y) in enumerate(ys.items()):
         ax.plot(x, y, "-o" if markers else "-", ms=3, color=COLORS[i % 10], label=label)
+        if bands and label in bands:
+            lo, hi = (np.asarray(v, float) for v in bands[label])
+            ax.fill_between(x, lo, hi, color=COLORS[i % 10], alpha=0.2, lw=0, label="_band")
+            if first_band:
+                interval_key(ax)
+            first_band = False
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
+    if legend:
+        legend_outside(ax)
 
 
 def figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] | None = None):
@@ -246,7 +394,7 @@ def _save(fig, path: str | Path, title: str = "") -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # keeps the legends placed outside the axes
     plt.close(fig)
     return path
 
@@ -299,7 +447,7 @@ def predicted_vs_measured(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np
             ax.set_xlabel("measured step time (ms)")
             ax.set_ylabel("predicted step time (ms)")
             ax.set_title(name)
-            ax.legend(fontsize=7)
+            legend_outside(ax, below=True)
         return _save(fig, path, title)
 
 
@@ -310,7 +458,8 @@ def rate_curves(curves: Mapping[str, Mapping[float, Mapping]], path: str | Path,
                     ("goodput_rps", None, "goodput (req/s)"), ("throughput_tok_s", None, "throughput (tok/s)")),
                 xlabel: str = "request rate (req/s)") -> Path:
     """Metrics against offered load, one line per run family (e.g. sim vs engine). ``curves`` maps a label to
-    {rate: metrics.json dict}; a panel is (metric key, percentile key or None for a scalar, axis label)."""
+    {rate: metrics.json dict}; a panel is (metric key, percentile key or None for a scalar, axis label). Latency
+    panels get the runs' SLO target as a dashed line; linear y axes start at 0; one legend, outside the panels."""
     ncols = 3 if len(panels) > 4 else len(panels)
     nrows = -(-len(panels) // ncols)
     with plt.rc_context(STYLE):
@@ -322,11 +471,14 @@ def rate_curves(curves: Mapping[str, Mapping[float, Mapping]], path: str | Path,
                 ys = [(y or {}).get(pct) if pct else y for y in ys]
                 ys = [np.nan if y is None else y for y in ys]
                 ax.plot(rates, ys, "-o" if i == 0 else "--s", ms=3, color=COLORS[i % 10], label=name)
+            reference_lines(ax, f"{key}.{pct}" if pct else key, label, 1.0,
+                            [m for by_rate in curves.values() for m in by_rate.values()])
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
-            ax.legend(fontsize=7)
+            y_from_zero(ax)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
+        legend_outside(fig)
         return _save(fig, path)
 
 
@@ -358,40 +510,107 @@ def _grid(n: int, ncols: int = 3, size: tuple[float, float] = (4.0, 3.1)):
     return fig, list(axes.flat)[:n]
 
 
+def draw_metric_curves(curves: Mapping[str, Mapping[float, Mapping]], panels: Sequence[Panel], xlabel: str,
+                       x_key: Panel | None = None, logx: bool = False,
+                       targets: Mapping[str, tuple[float, str]] | None = None):
+    """The figure of ``metric_curves``, not saved: (fig, axes)."""
+    fig, axes = _grid(len(panels))
+    runs_all = [m for runs in curves.values() for m in runs.values()]
+    for ax, (key, label, scale) in zip(axes, panels, strict=True):
+        first_band = True
+        for i, (name, runs) in enumerate(curves.items()):
+            xs = sorted(runs)
+            x = np.array([metric_value(runs[v], x_key[0], x_key[2]) for v in xs] if x_key else xs, float)
+            style = _line_style(name, i)
+            ax.plot(x, [metric_value(runs[v], key, scale) for v in xs], label=name, **style)
+            cis = [drawn_ci(metric_value(runs[v], key, scale), metric_ci(runs[v], key, scale)) for v in xs]
+            if any(c is not None for c in cis):
+                order = np.argsort(x, kind="stable")
+                lo = np.array([c[0] if c else np.nan for c in cis])[order]
+                hi = np.array([c[1] if c else np.nan for c in cis])[order]
+                ax.fill_between(x[order], lo, hi, color=style["color"], alpha=0.2, lw=0, label="_band")
+                if first_band:
+                    interval_key(ax)
+                first_band = False
+        reference_lines(ax, key, label, scale, runs_all, targets)
+        if logx:
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel(x_key[1] if x_key else xlabel)
+        ax.set_ylabel(label)
+        y_from_zero(ax)
+    legend_outside(fig)
+    return fig, axes
+
+
 def metric_curves(curves: Mapping[str, Mapping[float, Mapping]], panels: Sequence[Panel], path: str | Path,
-                  xlabel: str, x_key: Panel | None = None, logx: bool = False, title: str = "") -> Path:
-    """One panel per metric, one line per series; ``curves`` maps a series label to {x: metrics.json dict}.
-    With ``x_key`` the x coordinate is that metric of each run instead (e.g. throughput for latency-vs-throughput
-    curves), and ``xlabel`` is ignored."""
+                  xlabel: str, x_key: Panel | None = None, logx: bool = False, title: str = "",
+                  targets: Mapping[str, tuple[float, str]] | None = None) -> Path:
+    """One panel per metric, one line per series over a numeric x; ``curves`` maps a series label to
+    {x: metrics.json dict}. With ``x_key`` the x coordinate is that metric of each run instead (e.g. throughput for
+    latency-vs-throughput curves), and ``xlabel`` is ignored. Repeated seeds (``repeats.ci95`` in the metrics) shade
+    a 95% band around each line; a latency panel gets its SLO target as a dashed line (the runs' ``slo``), a key in
+    ``targets`` (key -> (value as drawn, label)) its target; linear y axes start at 0; one legend, outside."""
     with plt.rc_context(STYLE):
-        fig, axes = _grid(len(panels))
-        for ax, (key, label, scale) in zip(axes, panels, strict=True):
-            for i, (name, runs) in enumerate(curves.items()):
-                xs = sorted(runs)
-                x = [metric_value(runs[v], x_key[0], x_key[2]) for v in xs] if x_key else xs
-                ax.plot(x, [metric_value(runs[v], key, scale) for v in xs], label=name, **_line_style(name, i))
-            if logx:
-                ax.set_xscale("log", base=2)
-            ax.set_xlabel(x_key[1] if x_key else xlabel)
-            ax.set_ylabel(label)
-            ax.legend(fontsize=7)
+        fig, _ = draw_metric_curves(curves, panels, xlabel, x_key, logx, targets)
+        return _save(fig, path, title)
+
+
+def draw_grouped_bars(groups: Mapping[str, Mapping[str, Mapping]], panels: Sequence[Panel], log: bool = False,
+                      targets: Mapping[str, tuple[float, str]] | None = None):
+    """The figure of ``grouped_bars``, not saved: (fig, axes)."""
+    variants = list(dict.fromkeys(v for g in groups.values() for v in g))
+    n, width = len(variants), 0.8 / max(1, len(variants))
+    single = list(groups) == [""]  # one unnamed group: the bars are named on the x axis, no legend
+    fig, axes = _grid(len(panels), size=(max(3.4, 0.5 * n * len(groups) + 1.6), 3.1))
+    runs_all = [m for g in groups.values() for m in g.values()]
+    for ax, (key, label, scale) in zip(axes, panels, strict=True):
+        for j, v in enumerate(variants):
+            names = [g for g in groups if v in groups[g]]
+            xs = [list(groups).index(g) + (j - (n - 1) / 2) * width for g in names]
+            vals = np.array([metric_value(groups[g][v], key, scale) for g in names])
+            cis = [drawn_ci(y, metric_ci(groups[g][v], key, scale)) for y, g in zip(vals, names, strict=True)]
+            yerr = None
+            if any(c is not None for c in cis):
+                yerr = np.array([[y - c[0], c[1] - y] if c else [0.0, 0.0] for y, c in zip(vals, cis, strict=True)]).T
+            bars = ax.bar(xs, vals, width * 0.92, yerr=yerr, capsize=2, color=COLORS[j % 10], label=v,
+                          error_kw={"lw": 0.8})
+            ax.bar_label(bars, labels=[f"{y:.3g}" if np.isfinite(y) else "n/a" for y in vals], fontsize=6,
+                         padding=1)
+        if single:
+            ax.set_xticks([(j - (n - 1) / 2) * width for j in range(n)], variants, rotation=30, ha="right",
+                          fontsize=7)
+        else:
+            ax.set_xticks(range(len(groups)), list(groups), fontsize=7)
+        ax.grid(False, axis="x")
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+        reference_lines(ax, key, label, scale, runs_all, targets)
+        y_from_zero(ax)
+    if single:  # only the reference lines need a legend
+        for ax in axes:
+            for c in ax.containers:
+                c.set_label("_bars")
+    legend_outside(fig)
+    return fig, axes
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, Mapping]], panels: Sequence[Panel], path: str | Path,
+                 title: str = "", log: bool = False, targets: Mapping[str, tuple[float, str]] | None = None) -> Path:
+    """Categorical comparisons: one panel per metric, one cluster per group (a workload, a replica count, a
+    backend), one bar per variant in it (same colour per variant everywhere), its value printed on it; 95% error
+    bars where the metrics carry repeats (``repeats.ci95``); SLO / target lines as in ``metric_curves``; linear y
+    axes from 0; one legend (the variants), outside the panels. ``groups``: {group: {variant: metrics.json dict}}."""
+    with plt.rc_context(STYLE):
+        fig, _ = draw_grouped_bars(groups, panels, log, targets)
         return _save(fig, path, title)
 
 
 def metric_bars(runs: Mapping[str, Mapping], panels: Sequence[Panel], path: str | Path, title: str = "",
                 log: bool = False) -> Path:
-    """One panel per metric, one bar per run (same colour per run across panels), value printed on each bar."""
-    with plt.rc_context(STYLE):
-        fig, axes = _grid(len(panels), size=(max(3.2, 0.9 * len(runs) + 1.4), 3.1))
-        for ax, (key, label, scale) in zip(axes, panels, strict=True):
-            vals = [metric_value(m, key, scale) for m in runs.values()]
-            bars = ax.bar(range(len(vals)), vals, color=[COLORS[i % 10] for i in range(len(vals))])
-            ax.bar_label(bars, labels=[f"{v:.3g}" for v in vals], fontsize=6)
-            ax.set_xticks(range(len(vals)), list(runs), rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel(label)
-            if log:
-                ax.set_yscale("log")
-        return _save(fig, path, title)
+    """One panel per metric, one bar per run named on the x axis: ``grouped_bars`` with a single group."""
+    return grouped_bars({"": runs}, panels, path, title, log)
 
 
 def token_gaps(runs: Mapping[str, RunData], request_ids: Sequence[str], path: str | Path,
@@ -408,12 +627,12 @@ def token_gaps(runs: Mapping[str, RunData], request_ids: Sequence[str], path: st
                 if len(times) > 1:  # each gap drawn as a level over the interval it spans
                     ax.step(times[1:], np.diff(times) * 1e3, where="pre", lw=0.8, color=COLORS[i % 10], label=rid)
             if threshold_s is not None:
-                ax.axhline(threshold_s * 1e3, color="k", ls=":", lw=0.8, label="stall threshold")
+                threshold_line(ax, threshold_s * 1e3, f"stall threshold {threshold_s * 1e3:g} ms")
             ax.set_yscale("log")
             ax.set_xlabel("time (s)")
             ax.set_ylabel("gap before output event (ms)")
             ax.set_title(label)
-            ax.legend(fontsize=6)
+        legend_outside(fig)
         return _save(fig, path)
 
 
@@ -436,15 +655,17 @@ def measured_and_predicted_curves(panels: Sequence[Mapping], path: str | Path, t
                     ax.plot(p["x"], ys, linestyle=ls, marker=marker or None, ms=3, color=COLORS[i % 10],
                             label=f"{name}, {label}")
             if hline is not None:
-                ax.axhline(hline, color="k", lw=0.7)
+                threshold_line(ax, hline, f"{hline:g} (no change)")
             if p.get("logx"):
                 ax.set_xscale("log", base=2)
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_xlabel(p["xlabel"])
             ax.set_ylabel(p["ylabel"])
             ax.set_title(p["title"], fontsize=9)
-            ax.legend(fontsize=6)
+            y_from_zero(ax)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
+        legend_outside(fig)
         return _save(fig, path, title)
 
 
@@ -470,8 +691,10 @@ def decode_roofline(tables: Mapping[str, Mapping[str, np.ndarray]], path: str | 
         for ax, ylabel in zip(axes, ("decode step time (ms)", "decode throughput (tok/s)",
                                      "time per step (ms)"), strict=True):
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_yscale("log")
+            plain_log_ticks(ax.yaxis)
             ax.set_xlabel("batch size (sequences)")
             ax.set_ylabel(ylabel)
-            ax.legend(fontsize=6)
+        legend_outside(fig)
         return _save(fig, path, title)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from core.specs import HardwareSpec, ModelSpec
 from experiments.build import CONF_DIR
-from experiments.plots import COLORS, figure
+from experiments.plots import COLORS, figure, legend_outside
 from sim.cost.roofline import RooflineCostModel
 from sim.published import READERS, Specs, check
 
@@ -110,10 +110,10 @@ def scatter(results: dict[str, Any], path: Path) -> Path:
                 lo, hi = min(lo, *meas, *pred), max(hi, *meas, *pred)
             ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
             ax.set(xscale="log", yscale="log", xlabel="measured (s)", ylabel="predicted (s)", title=title)
-            ax.legend(fontsize=7)
+        legend_outside(fig)  # the same sources in both panels
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
+        fig.savefig(path, bbox_inches="tight")
     return path
 
 

@@ -8,6 +8,7 @@ model; writes ``quality.json`` into the Hydra run directory and prints a table. 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from engine.executor import resolve_kernels
 from engine.quality import QualityReport, QuantSetting, load_prompts, quality_report, synthetic_prompts
 from experiments.build import CONF_DIR, model_spec
 from experiments.cli import user_errors
+
+log = logging.getLogger(__name__)
 
 GROUP_CANDIDATES = (128, 64, 32, 16)  # multiples of 16: what the Triton W4A16 GEMM accepts
 QUALITY_KEYS = ("num_prompts", "prompt_len", "new_tokens", "prompts_file", "seed")
@@ -101,8 +104,8 @@ def main(cfg: DictConfig) -> None:
         torch.set_num_threads(int(cfg.backend.num_threads))
     report = run_quality(cfg)
     path = write(report, HydraConfig.get().runtime.output_dir)
-    print(report.format_table())
-    print(f"wrote {path.resolve()}")
+    log.info(report.format_table())
+    log.info(f"wrote {path.resolve()}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ fitted prediction isolates what the cost model says quantisation changes.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,6 +47,8 @@ from policies.eviction.lru import LRUEviction
 from sim.calibration import fit_roofline
 from sim.cost.base import decode_features
 from sim.cost.roofline import RooflineCostModel
+
+log = logging.getLogger(__name__)
 
 BASE = QuantSetting("base")
 STUDY_KEYS = ("batch_sizes", "batch_context", "contexts", "context_batch", "repeats", "warmup", "kv_memory_bytes",
@@ -406,8 +409,8 @@ def summary(r: Mapping[str, Any]) -> str:
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     study(cfg, out)
-    print((out / "summary.md").read_text())
-    print(f"wrote {out.resolve()}")
+    log.info((out / "summary.md").read_text())
+    log.info(f"wrote {out.resolve()}")
 
 
 if __name__ == "__main__":

@@ -114,8 +114,8 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> None:
     """Serve until SIGINT / SIGTERM, then drain and write the run directory."""
     app = build_app(cfg, out_dir)
     host, port = cfg.serve.host, int(cfg.serve.port)
-    print(f"serving {cfg.serve.model_name or cfg.model.get('path') or cfg.model.name} on http://{host}:{port} "
-          f"(run files: {out_dir})", flush=True)
+    log.info(f"serving {cfg.serve.model_name or cfg.model.get('path') or cfg.model.name} on http://{host}:{port} "
+          f"(run files: {out_dir})")
     web.run_app(app, host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=_seconds(cfg, "drain_timeout_s"), print=None, access_log=None)
 

@@ -4,11 +4,14 @@
 ``experiments.studies.NAME`` runs its variants into subdirectories and writes figures and ``summary.md``
 into the output directory. ``study.scale=tiny`` runs a seconds-long version; ``study.engine=true`` adds
 CPU-scale runs on the real engine (and the simulator at the same scale) where the study supports it.
+``study.seeds=[0,1,2]`` repeats every run once per seed: tables print the mean and its 95% interval, figures draw
+bands or error bars (experiments.studies.common; default: the run's ``seed`` alone).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from experiments.build import CONF_DIR
 from experiments.cli import user_errors
 from experiments.runs import save_config
 from experiments.studies.common import scaled
+
+log = logging.getLogger(__name__)
 
 
 def studies() -> list[str]:
@@ -38,8 +43,10 @@ def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
     t0 = time.perf_counter()
     report = importlib.import_module(f"experiments.studies.{name}").run(cfg, out)
     wall = time.perf_counter() - t0
+    seeds = ",".join(str(s) for s in cfg.study.get("seeds") or [])
     header = [f"`python -m experiments.study study={name} study.scale={cfg.study.scale}"
-              f"{' study.engine=true' if cfg.study.get('engine') else ''}` "
+              f"{' study.engine=true' if cfg.study.get('engine') else ''}"
+              f"{f' study.seeds=[{seeds}]' if len(cfg.study.get('seeds') or []) > 1 else ''}` "
               f"(full config: `config.yaml`; every run in its subdirectory; wall time {wall:.1f} s). "
               f"Percentiles: {cfg.metrics.percentile_method}.", ""]
     return report.write(out, header)
@@ -49,8 +56,8 @@ def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
 @user_errors
 def main(cfg: DictConfig) -> None:
     path = run_study(cfg, HydraConfig.get().runtime.output_dir)
-    print(path.read_text())
-    print(f"wrote {path}")
+    log.info(path.read_text())
+    log.info(f"wrote {path}")
 
 
 if __name__ == "__main__":

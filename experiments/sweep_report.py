@@ -6,8 +6,11 @@ per job with a column per override key, then pivots it: TTFT p90, max-stall p99 
 (``--x``, default the token budget), one line per value of another (``--series``, default the scheduler), and one
 row of panels (a facet) per combination of every other key that takes more than one value. Nothing is dropped:
 two jobs with the same value of every swept key are refused, naming them; ``--where KEY=VALUE`` keeps only the
-jobs with that value (e.g. to draw one facet). Writes sweep_report.png and sweep_report.md into the multirun
-directory.
+jobs with that value (e.g. to draw one facet). Jobs that differ only in ``seed`` (``--repeat``; a multirun
+``seed=0,1,2``) are repeats of one point: it is drawn at their mean with a shaded 95% interval (Student t, n - 1
+degrees of freedom), and the table gets n, mean, ci_low and ci_high per metric. Dashed lines: the runs' SLO
+targets (metrics.json ``slo``) on the TTFT and max-stall panels. Writes sweep_report.png and sweep_report.md into
+the multirun directory.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import yaml
 from matplotlib.ticker import FuncFormatter
 
 from core.output import read_metrics
-from experiments.plots import axis_label, figure, lines
+from experiments.plots import axis_label, figure, legend_outside, lines, plain_log_ticks, threshold_line, y_from_zero
+from experiments.studies.common import mean_ci
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +98,26 @@ def table(root: Path, incomplete: list[str] | None = None) -> tuple[pd.DataFrame
     rows, keys = [], {}
     for name, overrides, metrics in _collect(root, incomplete):
         keys.update(dict.fromkeys(overrides))
-        rows.append({"job": name, **overrides, **{label: value(metrics, k, p) for k, p, label in PANELS}})
+        slo = metrics.get("slo") or {}
+        rows.append({"job": name, **overrides, **{label: value(metrics, k, p) for k, p, label in PANELS},
+                     **{f"slo:{k}": slo.get(k) for k, _, _ in PANELS}})
     return pd.DataFrame(rows), list(keys)
+
+
+def repeats(df: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+    """One row per point (a value of every ``index`` key) over its repeated jobs: ``n``, and per panel the mean
+    (named by its label) and ``<label> ci_low`` / ``<label> ci_high`` (95% Student-t interval; NaN with n = 1),
+    and the SLO columns of the first job."""
+    rows = []
+    for key, g in df.groupby(index, dropna=False, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        row = {**dict(zip(index, key, strict=True)), "n": len(g), "jobs": list(g["job"])}
+        for _, _, label in PANELS:
+            mean, lo, hi = mean_ci(g[label].tolist())
+            row.update({label: mean, f"{label} ci_low": lo, f"{label} ci_high": hi})
+        row.update({c: g[c].iloc[0] for c in g.columns if c.startswith("slo:")})
+        rows.append(row)
+    return pd.DataFrame(rows).astype({f"{p[2]} {b}": float for p in PANELS for b in ("ci_low", "ci_high")})
 
 
 def swept_keys(df: pd.DataFrame, keys: list[str]) -> list[str]:
@@ -110,7 +132,7 @@ def _order(column: pd.Series) -> pd.Series:
 
 
 def report(root: str | Path, x: str = "scheduler.max_num_batched_tokens", series: str = "scheduler",
-           where: dict[str, str] | None = None) -> Path:
+           where: dict[str, str] | None = None, repeat: str = "seed") -> Path:
     root = Path(root)
     incomplete: list[str] = []
     df, keys = table(root, incomplete)
@@ -127,48 +149,88 @@ def report(root: str | Path, x: str = "scheduler.max_num_batched_tokens", series
     if xv.isna().any():
         raise ValueError(f"--x {x}: not a number in every job ({sorted(set(df[x][xv.isna()]))})")
     df = df.assign(**{x: xv})
-    facets = [k for k in swept_keys(df, keys) if k not in (x, series)]
+    swept = swept_keys(df, keys)
+    repeated = repeat in swept and repeat not in (x, series)
+    facets = [k for k in swept if k not in (x, series, repeat)]
     index = [*facets, series, x]
-    dup = df[df.duplicated(index, keep=False)]
+    unique = [repeat, *index] if repeated else index  # the same seed twice is still two jobs for one point
+    dup = df[df.duplicated(unique, keep=False)]
     if not dup.empty:
-        first = dup.groupby(index, dropna=False)["job"].apply(list).iloc[0]
-        raise ValueError(f"jobs {', '.join(first)} have the same value of every swept key {index}: one point "
+        first = dup.groupby(unique, dropna=False)["job"].apply(list).iloc[0]
+        raise ValueError(f"jobs {', '.join(first)} have the same value of every swept key {unique}: one point "
                          f"cannot stand for both; tell them apart with an override, or keep one with --where")
-    df = df.sort_values([*facets, series, x], key=_order)
-    groups = list(df.groupby(facets, dropna=False, sort=False)) if facets else [((), df)]
+    points = repeats(df, index)
+    points = points.sort_values(index, key=_order)
+    groups = list(points.groupby(facets, dropna=False, sort=False)) if facets else [((), points)]
     if len(groups) > MAX_FACETS:
         raise ValueError(f"{len(groups)} combinations of the other swept keys {facets}: more than {MAX_FACETS} "
                          f"facets; keep some with --where KEY=VALUE")
-    names = sorted(df[series].unique())
-    xs = sorted(df[x].unique())
+    names = sorted(points[series].unique())
+    xs = sorted(points[x].unique())
     with figure(len(groups), len(PANELS)) as (fig, axes):
         for row, (fv, g) in zip(axes, groups, strict=True):
             fv = fv if isinstance(fv, tuple) else (fv,)
             facet = ", ".join(f"{k}={v}" for k, v in zip(facets, fv, strict=True))
             for ax, (key, _, label) in zip(row, PANELS, strict=True):
-                wide = g.pivot(index=x, columns=series, values=label).reindex(index=xs, columns=names)
-                lines(ax, xs, {n: wide[n].to_numpy() for n in names}, axis_label(x), label)
+                def wide(column: str, g=g) -> pd.DataFrame:
+                    return g.pivot(index=x, columns=series, values=column).reindex(index=xs, columns=names)
+                means = wide(label)
+                bands = None
+                if repeated:
+                    lo, hi = wide(f"{label} ci_low"), wide(f"{label} ci_high")
+                    if key not in LOG_Y:
+                        lo = lo.where(means < 0, lo.clip(lower=0))  # drawn cut at 0, like plots.drawn_ci
+                    bands = {n: (lo[n].to_numpy(), hi[n].to_numpy()) for n in names}
+                lines(ax, xs, {n: means[n].to_numpy() for n in names}, axis_label(x), label, bands=bands,
+                      legend=False)
+                for v in sorted(set(g[f"slo:{key}"].dropna())):
+                    threshold_line(ax, float(v), f"SLO {float(v):g} s")
                 if all(v > 0 for v in xs):
                     ax.set_xscale("log", base=2)
                     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
                 if key in LOG_Y and (g[label] > 0).any():
                     ax.set_yscale("log")  # latencies: a 10x spread stays readable
+                    plain_log_ticks(ax.yaxis)
+                y_from_zero(ax)
                 if facet:
                     ax.set_title(facet, fontsize=8)
-        fig.suptitle(f"{root.name}: {series} x {x}" + (f", one row per {', '.join(facets)}" if facets else ""))
+        legend_outside(fig)
+        fig.suptitle(f"{root.name}: {series} x {x}" + (f", one row per {', '.join(facets)}" if facets else "")
+                     + (f"; mean of {_span(points['n'])} {repeat}s per point, 95% band" if repeated else ""))
         fig.tight_layout()
-        fig.savefig(root / "sweep_report.png")
+        fig.savefig(root / "sweep_report.png", bbox_inches="tight")
     cols = [*facets, series, x]
-    rows = ["| " + " | ".join([*cols, *(p[2] for p in PANELS)]) + " |", "|" + "---|" * (len(cols) + len(PANELS))]
-    for _, r in df.iterrows():
-        rows.append("| " + " | ".join([*(str(r[k]) for k in (*facets, series)), f"{r[x]:g}",
-                                       *(f"{r[p[2]]:.4g}" for p in PANELS)]) + " |")
+    if repeated:
+        metrics = [f"{p[2]} {s}" for p in PANELS for s in ("mean", "ci_low", "ci_high")]
+        rows = ["| " + " | ".join([*cols, "n", *metrics]) + " |", "|" + "---|" * (len(cols) + 1 + len(metrics))]
+    else:
+        rows = ["| " + " | ".join([*cols, *(p[2] for p in PANELS)]) + " |",
+                "|" + "---|" * (len(cols) + len(PANELS))]
+    for _, r in points.iterrows():
+        cells = [*(str(r[k]) for k in (*facets, series)), f"{r[x]:g}"]
+        if repeated:
+            cells += [str(r["n"]), *(_num(r[c]) for p in PANELS for c in (p[2], f"{p[2]} ci_low", f"{p[2]} ci_high"))]
+        else:
+            cells += [_num(r[p[2]]) for p in PANELS]
+        rows.append("| " + " | ".join(cells) + " |")
+    if repeated:
+        values = ", ".join(sorted(map(str, df[repeat].dropna().unique())))
+        rows += ["", f"Repeats: jobs that differ only in {repeat} ({values}); mean over n of them, [ci_low, ci_high] "
+                     "the 95% interval of the mean (Student t, n - 1 degrees of freedom; n/a with n = 1)."]
     if incomplete:
         note = f"Left out, did not finish: job {', '.join(incomplete)}."
         rows += ["", note]
         log.warning(note)
     (root / "sweep_report.md").write_text("\n".join(rows) + "\n")
     return root / "sweep_report.png"
+
+
+def _span(n: pd.Series) -> str:
+    return str(n.min()) if n.min() == n.max() else f"{n.min()}-{n.max()}"
+
+
+def _num(v: float) -> str:
+    return "n/a" if pd.isna(v) else f"{v:.4g}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,13 +240,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--series", default="scheduler")
     p.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
                    help="keep only the jobs with this override value (repeatable)")
+    p.add_argument("--repeat", default="seed",
+                   help="override key whose values are repeats of one point (mean and 95%% interval)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bad = [w for w in args.where if "=" not in w]
     if bad:
         p.error(f"--where wants KEY=VALUE, got {bad}")
     where = dict(w.split("=", 1) for w in args.where)
-    log.info("wrote %s", report(args.multirun_dir, args.x, args.series, where))
+    log.info("wrote %s", report(args.multirun_dir, args.x, args.series, where, args.repeat))
 
 
 if __name__ == "__main__":

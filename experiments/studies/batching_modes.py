@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments import plots
-from experiments.studies.common import Report, backends, fmt, run_variants, slug
+from experiments.studies.common import Report, backends, ci_text, fmt, fmt_ci, run_variants, slug
 
 PANELS = [("throughput_tok_s", "output throughput (tok/s)", 1.0), ("goodput_rps", "goodput (req/s)", 1.0),
           ("ttft_s.p50", "TTFT p50 (s)", 1.0), ("ttft_s.p99", "TTFT p99 (s)", 1.0),
@@ -33,16 +33,17 @@ def run(cfg: DictConfig, out: Path) -> Report:
             best = max(rates, key=lambda r: curves[label][r]["goodput_rps"] or 0.0)
             src = f"{slug(backend)}/{name}/{slug(f'{name} rate={best:g}')}/metrics.json:goodput_rps"
             rows[name] = [name, fmt(best), rep.number(f"{backend}.{name}.peak_goodput_rps",
-                                                      curves[label][best]["goodput_rps"], src),
-                          fmt(curves[label][rates[-1]]["throughput_tok_s"]),
-                          fmt(curves[label][rates[-1]]["num_timed_out"])]
+                                                      curves[label][best]["goodput_rps"], src)
+                          + ci_text(curves[label][best], "goodput_rps"),
+                          fmt_ci(curves[label][rates[-1]], "throughput_tok_s"),
+                          fmt_ci(curves[label][rates[-1]], "num_timed_out")]
         rep.text(f"## {backend}", "**Peak goodput: " + ", ".join(f"{r[0]} {r[2]} req/s" for r in rows.values())
                  + f"**. Per scheduler, with throughput and timeouts at the highest rate ({fmt(rates[-1])} req/s):")
         rep.table(["scheduler", "rate at peak goodput (req/s)", "peak goodput (req/s)",
                    f"throughput at {fmt(rates[-1])} req/s (tok/s)", f"timed out at {fmt(rates[-1])} req/s"],
                   list(rows.values()))
     fig = plots.metric_curves(curves, PANELS, out / "batching_vs_rate.png", "request rate (req/s)")
-    rep.figure(fig, "Throughput, goodput and latency against the offered request rate")
+    rep.figure(fig, "Throughput, goodput and latency against the offered request rate (dashed: the TTFT SLO)")
     fig = plots.metric_curves(curves, TRADEOFF, out / "batching_tradeoff.png", "",
                               x_key=("throughput_tok_s", "output throughput (tok/s)", 1.0))
     rep.figure(fig, "Latency against achieved throughput (one point per rate)")

@@ -13,7 +13,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from experiments import plots
-from experiments.studies.common import Report, backends, fmt, run_variants, slug
+from experiments.studies.common import Report, backends, ci_text, fmt_ci, run_variants, same_seed, slug
 
 COLUMNS = [("ttft_s.p50", "TTFT p50 (s)", 1.0), ("ttft_s.p99", "TTFT p99 (s)", 1.0),
            ("goodput_rps", "goodput (req/s)", 1.0), ("token_reuse_rate", "token reuse", 1.0),
@@ -44,7 +44,7 @@ def run(cfg: DictConfig, out: Path) -> Report:
              f"(first {cfg.workload.get('limit')} requests); arrival times scaled so every replica count sees the "
              f"same load per replica. Cache chase losses: requests with a longer cached prefix than under "
              f"`{base_name}` but a later first token.")
-    curves = {}
+    groups = {}
     for backend, c in backends(cfg).items():
         if base_name not in c.study.routers:
             raise ValueError(f"study.baseline={base_name!r} is not one of study.routers {list(c.study.routers)}")
@@ -52,19 +52,20 @@ def run(cfg: DictConfig, out: Path) -> Report:
             scale = float(c.workload.time_scale) * 4 / int(n)
             d = out / slug(backend) / f"replicas={n}"
             runs = run_variants(c, {k: [f"replicas={n}", f"workload.time_scale={scale}", *v]
-                                    for k, v in c.study.routers.items()}, d)
-            base = plots.load_run(d / slug(base_name))
-            runs = {k: routing_fields(m, plots.load_run(d / slug(k)), base, int(n)) for k, m in runs.items()}
+                                    for k, v in c.study.routers.items()}, d,
+                                derive=lambda k, m, run_dir, n=int(n): routing_fields(
+                                    m, plots.load_run(run_dir), plots.load_run(same_seed(run_dir, base_name)), n))
             best = max(runs, key=lambda k: runs[k]["goodput_rps"] or 0.0)
             src = f"{slug(backend)}/replicas={n}/{slug(best)}/metrics.json:goodput_rps"
             goodput = runs[best]["goodput_rps"]
+            shown = rep.number(f"{backend}.replicas={n}.best_goodput_rps", goodput, src)
             rep.text(f"## {n} replicas ({backend})",
-                     f"**Best goodput: {best}, {rep.number(f'{backend}.replicas={n}.best_goodput_rps', goodput, src)}"
-                     f" req/s** (TTFT p50 {fmt(runs[best]['ttft_s']['p50'])} s). Cache chase losses: "
-                     + ", ".join(f"{k} {fmt(m['chase_losses'])}" for k, m in runs.items() if k != base_name) + ".")
+                     f"**Best goodput: {best}, {shown}{ci_text(runs[best], 'goodput_rps')} req/s** "
+                     f"(TTFT p50 {fmt_ci(runs[best], 'ttft_s.p50')} s). Cache chase losses: "
+                     + ", ".join(f"{k} {fmt_ci(m, 'chase_losses')}" for k, m in runs.items() if k != base_name) + ".")
             rep.metric_table(runs, COLUMNS, first="router")
-            for k, m in runs.items():
-                curves.setdefault(f"{k} ({backend})" if backend != "sim" else k, {})[int(n)] = m
-    fig = plots.metric_curves(curves, COLUMNS, out / "cache_aware_routing.png", "replicas")
-    rep.figure(fig, "Latency, goodput, reuse, imbalance and cache chase losses per router against the replica count")
+            groups[f"{n} replicas" + (f" ({backend})" if backend != "sim" else "")] = runs
+    fig = plots.grouped_bars(groups, COLUMNS, out / "cache_aware_routing.png")
+    rep.figure(fig, "Latency, goodput, reuse, imbalance and cache chase losses per router (bars), per replica count "
+                    "(groups); dashed: the TTFT SLO")
     return rep

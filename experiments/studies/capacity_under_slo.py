@@ -44,15 +44,19 @@ def shown(r: CapacityResult) -> str:
     return fmt(r.capacity_rps) + ("" if r.bracketed else " (lower bound: never missed)")
 
 
-def capacity_report(rep: Report, cfg: DictConfig, out: Path, what: str, title: str = "Capacity") -> dict:
+def capacity_report(rep: Report, cfg: DictConfig, out: Path, what: str, title: str = "Capacity",
+                    bars: dict | None = None) -> dict:
     """Searches every variant (``study.variants``) on every backend, one table per backend (capacity also as a ratio
-    to the first variant that has one); returns {variant: {probed rate: metrics}} for the figure."""
+    to the first variant that has one); returns {variant: {probed rate: metrics}} for the figure, and fills ``bars``
+    with {backend: {variant: {"capacity_rps": ...}}} for the capacity bar chart (``capacity_bars``)."""
     curves = {}
     for backend, c in backends(cfg).items():
         results = {}
         for name, overrides in c.study.variants.items():
             results[name], curves[name if backend == "sim" else f"{name} ({backend})"] = search(
                 c, list(overrides), out / slug(backend) / slug(name))
+        if bars is not None:
+            bars[backend] = {k: {"capacity_rps": r.capacity_rps} for k, r in results.items()}
         found = {k: r for k, r in results.items() if r.capacity_rps is not None}
         if found:
             best = max(found, key=lambda k: found[k].capacity_rps)
@@ -72,6 +76,19 @@ def capacity_report(rep: Report, cfg: DictConfig, out: Path, what: str, title: s
     return curves
 
 
+def attainment_target(cfg: DictConfig) -> dict[str, tuple[float, str]]:
+    """The attainment line of the probe figures: the target the capacity must keep."""
+    t = float(cfg.study.capacity.target)
+    return {"slo_attainment": (t, f"attainment target {t:g}")}
+
+
+def capacity_bars(rep: Report, bars: dict, path: Path, what: str) -> None:
+    """The capacities side by side: one bar per variant, one group per backend (n/a where no probe met the
+    target)."""
+    fig = plots.grouped_bars(bars, [("capacity_rps", "capacity under the SLO (req/s)", 1.0)], path)
+    rep.figure(fig, f"Capacity per {what}: the highest probed rate meeting the attainment target (n/a: none did)")
+
+
 def describe_search(cfg: DictConfig) -> str:
     c = cfg.study.capacity
     return (f"SLO: TTFT <= {cfg.slo.ttft_s} s and max stall <= {cfg.slo.max_stall_s} s; capacity = highest probed "
@@ -83,8 +100,11 @@ def describe_search(cfg: DictConfig) -> str:
 def run(cfg: DictConfig, out: Path) -> Report:
     rep = Report("Capacity under SLO per scheduler")
     rep.text(f"Model {cfg.model.name} on {cfg.hardware.name}. " + describe_search(cfg))
-    curves = capacity_report(rep, cfg, out, "scheduler")
-    fig = plots.metric_curves(curves, PANELS, out / "capacity_under_slo.png", "request rate (req/s)")
+    bars: dict = {}
+    curves = capacity_report(rep, cfg, out, "scheduler", bars=bars)
+    capacity_bars(rep, bars, out / "capacity.png", "scheduler")
+    fig = plots.metric_curves(curves, PANELS, out / "capacity_under_slo.png", "request rate (req/s)",
+                              targets=attainment_target(cfg))
     rep.figure(fig, f"Every probe of the searches: SLO attainment (capacity where it crosses "
                     f"{cfg.study.capacity.target}), goodput and tail latency against the request rate")
     return rep

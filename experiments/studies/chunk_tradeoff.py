@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from core.metrics import bucket_labels
 from experiments import plots
-from experiments.studies.common import Report, backends, fmt, get, option_name, run_variants, slug
+from experiments.studies.common import Report, backends, ci_text, fmt, get, option_name, run_variants, slug
 
 
 def run(cfg: DictConfig, out: Path) -> Report:
@@ -40,7 +40,7 @@ def run(cfg: DictConfig, out: Path) -> Report:
         lo, hi = budgets[0], budgets[-1]
         src = f"{slug(backend)}/budget={best}/metrics.json:goodput_rps"
         top = get(curves[backend][best], "goodput_rps")
-        peak = rep.number(f"{backend}.best_goodput_rps", top, src)
+        peak = rep.number(f"{backend}.best_goodput_rps", top, src) + ci_text(curves[backend][best], "goodput_rps")
         near = [b for b in budgets if (get(curves[backend][b], "goodput_rps") or 0.0) >= 0.99 * (top or 0.0)]
         rep.text(f"## {backend}",
                  f"**Goodput peaks at budget {best}: {peak}"
@@ -53,5 +53,6 @@ def run(cfg: DictConfig, out: Path) -> Report:
         rep.metric_table({str(b): m for b, m in curves[backend].items()}, columns, first="budget (tokens)")
     fig = plots.metric_curves(curves, columns, out / "chunk_tradeoff.png", "token budget per step (tokens)",
                               logx=True)
-    rep.figure(fig, "Decode stalls (top) and first-token latency, goodput and throughput against the token budget")
+    rep.figure(fig, "Decode stalls (top) and first-token latency, goodput and throughput against the token budget "
+                    "(dashed: the max-stall and TTFT SLO targets)")
     return rep

@@ -4,24 +4,35 @@ A study module defines ``run(cfg, out) -> Report``: it builds override sets, run
 (each into its own subdirectory, through ``experiments.runs.run``), reads their metrics back from the
 written ``metrics.json`` files and turns them into figures and a ``Report``. Numbers in a report therefore come
 from the run's own output files, never from values written in advance.
+
+Repeats: ``study.seeds`` (default ``[${seed}]``) runs every variant once per seed. With one seed a variant's run is
+its directory, as always; with several, each seed runs into ``<variant>/seed=<s>/`` and ``<variant>/metrics.json``
+holds the mean of every number over the seeds plus ``repeats`` (the seeds, n, and ``ci95``: the 95% Student-t
+interval of each dotted key), which tables print as ``mean [low, high]`` and figures draw as bands or error bars.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
+from scipy import stats
 
 from core.checks import check_choice
 from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR
 from experiments.overrides import apply_overrides
 from experiments.runs import run as run_config
+
+log = logging.getLogger(__name__)
 
 SCALES = ("full", "tiny")
 
@@ -56,18 +67,104 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label).strip("_")
 
 
-def run_variants(cfg: DictConfig, variants: Mapping[str, Sequence[str]], out_dir: str | Path) -> dict[str, dict]:
-    """Run ``cfg`` with each label's overrides into ``out_dir/<label>``; {label: metrics read from metrics.json}."""
+def seeds_of(cfg: DictConfig) -> list[int]:
+    """The seeds every variant runs with: ``study.seeds``, else the run's ``seed``."""
+    seeds = cfg.study.get("seeds")
+    out = [int(s) for s in seeds] if seeds else [int(cfg.seed)]
+    if len(set(out)) != len(out):
+        raise ValueError(f"study.seeds={out}: a seed appears twice (a repeat must differ in its seed)")
+    return out
+
+
+def mean_ci(values: Sequence[float | None], level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high) of repeated measurements: the ``level`` Student-t interval of the mean (n - 1 degrees of
+    freedom, sample standard deviation); no interval (None, None) with fewer than 2 values. None and NaN values
+    are left out; (None, None, None) when none is left."""
+    v = np.array([x for x in values if x is not None], float)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return None, None, None
+    mean = float(v.mean())
+    if len(v) < 2:
+        return mean, None, None
+    half = float(stats.t.ppf((1 + level) / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
+    return mean, mean - half, mean + half
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def aggregate(per_seed: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
+    """One metrics dict for repeated runs: the mean of every number (dotted keys recursively; None where every seed
+    has None), other values from the first seed, and ``repeats``: {"seeds", "n", "ci95": {dotted key: [low, high]}}
+    (``mean_ci``), for tables and figures."""
+    ci: dict[str, list] = {}
+
+    def merge(ds: Sequence[Any], prefix: str) -> Any:
+        first = ds[0]
+        if isinstance(first, Mapping):
+            keys = list(dict.fromkeys(k for d in ds if isinstance(d, Mapping) for k in d))
+            return {k: merge([d.get(k) if isinstance(d, Mapping) else None for d in ds], f"{prefix}{k}.")
+                    for k in keys}
+        if any(_is_number(d) for d in ds) and all(d is None or _is_number(d) for d in ds):
+            mean, lo, hi = mean_ci(ds)
+            if lo is not None:
+                ci[prefix[:-1]] = [lo, hi]
+            return mean
+        return first
+
+    out = merge(list(per_seed), "")
+    out["repeats"] = {"seeds": list(seeds), "n": len(per_seed), "ci95": ci}
+    return out
+
+
+def run_dir(out_dir: str | Path, label: str, seed: int, seeds: Sequence[int]) -> Path:
+    """Where ``label``'s run with ``seed`` goes: ``<out>/<label>`` with one seed, else ``<out>/<label>/seed=<s>``."""
+    d = Path(out_dir) / slug(label)
+    return d if len(seeds) == 1 else d / f"seed={seed}"
+
+
+def same_seed(run_path: Path, label: str) -> Path:
+    """The run directory of variant ``label`` next to ``run_path`` (a directory ``run_variants`` made), same seed."""
+    if run_path.name.startswith("seed="):
+        return run_path.parent.parent / slug(label) / run_path.name
+    return run_path.parent / slug(label)
+
+
+Derive = Callable[[str, dict, Path], dict]
+
+
+def run_variants(cfg: DictConfig, variants: Mapping[str, Sequence[str]], out_dir: str | Path,
+                 derive: Derive | None = None) -> dict[str, dict]:
+    """Run ``cfg`` with each label's overrides into ``out_dir/<label>``, once per seed (``seeds_of``, each into
+    ``run_dir``); {label: metrics read from metrics.json}. ``derive(label, metrics, run_dir)`` adds fields read from
+    a run's own files (called per seed once every variant has run, so it may read another variant's same-seed run:
+    ``same_seed``). With several seeds the label's metrics are ``aggregate``'d and written to
+    ``<out_dir>/<label>/metrics.json``."""
     out = Path(out_dir)
-    results = {}
+    seeds = seeds_of(cfg)
+    dirs: dict[str, dict[int, Path]] = {}
     for label, overrides in variants.items():
-        sub = out / slug(label)
-        c = apply_overrides(cfg, ["output.plots=false", *overrides])
-        run_config(c, sub)  # writes the run files and its resolved config.yaml
-        results[label] = read_metrics(sub / "metrics.json")
-        m = results[label]
-        print(f"[study] {label}: {m['num_completed']}/{m['num_requests']} completed, goodput "
-              f"{fmt(m.get('goodput_rps'))} req/s, wall {fmt(read_timing(sub).get('wall_s'))} s", flush=True)
+        for s in seeds:
+            sub = dirs.setdefault(label, {})[s] = run_dir(out, label, s, seeds)
+            seed = [f"seed={s}"] if s != int(cfg.seed) else []
+            c = apply_overrides(cfg, ["output.plots=false", *seed, *overrides])
+            run_config(c, sub)  # writes the run files and its resolved config.yaml
+            m = read_metrics(sub / "metrics.json")
+            log.info(f"[study] {label}{f' seed={s}' if len(seeds) > 1 else ''}: {m['num_completed']}/"
+                     f"{m['num_requests']} completed, goodput {fmt(m.get('goodput_rps'))} req/s, wall "
+                     f"{fmt(read_timing(sub).get('wall_s'))} s")
+    results = {}
+    for label, by_seed in dirs.items():
+        per_seed = [read_metrics(d / "metrics.json") for d in by_seed.values()]
+        if derive is not None:
+            per_seed = [derive(label, m, d) for m, d in zip(per_seed, by_seed.values(), strict=True)]
+        if len(seeds) == 1:
+            results[label] = per_seed[0]
+            continue
+        results[label] = aggregate(per_seed, seeds)
+        (out / slug(label) / "metrics.json").write_text(json.dumps(results[label], indent=2, default=str) + "\n")
     return results
 
 
@@ -103,6 +200,17 @@ def fmt(v: Any, scale: float = 1.0) -> str:
     return f"{float(v) * scale:.4g}"
 
 
+def ci_text(metrics: Mapping[str, Any], key: str, scale: float = 1.0) -> str:
+    """`` [low, high]``: the 95% interval of a dotted key over repeated seeds (``aggregate``); '' without one."""
+    ci = ((metrics.get("repeats") or {}).get("ci95") or {}).get(key)
+    return f" [{fmt(ci[0], scale)}, {fmt(ci[1], scale)}]" if ci else ""
+
+
+def fmt_ci(metrics: Mapping[str, Any], key: str, scale: float = 1.0) -> str:
+    """``fmt`` of a dotted key, followed by its ``ci_text``."""
+    return fmt(get(metrics, key), scale) + ci_text(metrics, key, scale)
+
+
 Column = tuple[str, str, float]  # (metrics key, header, scale), e.g. ("itl_s.p99", "p99 ITL (ms)", 1e3)
 
 
@@ -131,8 +239,15 @@ class Report:
 
     def metric_table(self, runs: Mapping[str, Mapping[str, Any]], columns: Sequence[Column],
                      first: str = "variant") -> None:
+        """One row per run, one column per metric; with repeats each cell is ``mean [low, high]`` (95%
+        interval over the seeds, ``fmt_ci``) and a line after the table says so."""
         self.table([first, *(c[1] for c in columns)],
-                   [[label, *(fmt(get(m, key), scale) for key, _, scale in columns)] for label, m in runs.items()])
+                   [[label, *(fmt_ci(m, key, scale) for key, _, scale in columns)] for label, m in runs.items()])
+        n = {(m.get("repeats") or {}).get("n") for m in runs.values()} - {None}
+        if n:
+            self.text(f"Mean over {', '.join(map(str, sorted(n)))} seeds (seeds "
+                      f"{next(iter(runs.values()))['repeats']['seeds']}); [low, high]: 95% interval of the mean "
+                      "(Student t, n - 1 degrees of freedom).")
 
     def figure(self, path: str | Path, caption: str) -> None:
         self.lines += [f"![{caption}]({Path(path).name})", "", f"*{caption}*", ""]

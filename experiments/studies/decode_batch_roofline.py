@@ -13,12 +13,11 @@ import csv
 from pathlib import Path
 
 import numpy as np
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from core.batch import StepFeatures
 from experiments import plots
-from experiments.build import hardware_spec, model_spec, num_kv_blocks
+from experiments.build import hardware_spec, instantiate_group, model_spec, num_kv_blocks
 from experiments.calibrate import Shape, profile
 from experiments.studies.common import Report, backends, fmt, with_section
 from sim.calibration import fit_roofline
@@ -67,7 +66,7 @@ def read_csv(path: Path) -> dict[str, np.ndarray]:
 
 def roofline_of(cfg: DictConfig) -> RooflineCostModel:
     if cfg.cost_model.get("_target_") == "sim.cost.roofline.RooflineCostModel":
-        return instantiate(cfg.cost_model)
+        return instantiate_group(cfg.cost_model, "cost_model")
     return RooflineCostModel(model_spec(cfg), hardware_spec(cfg))  # the default efficiencies
 
 

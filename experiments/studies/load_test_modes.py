@@ -41,14 +41,14 @@ def run(cfg: DictConfig, out: Path) -> Report:
     curves = {}
     for backend, c in backends(cfg).items():
         d = out / slug(backend)
-        closed = run_variants(c, {f"closed N={n}": [f"study.closed.num_clients={n}"] for n in c.study.clients}, d)
-        closed = {k: with_load_fields(m, d / slug(k)) for k, m in closed.items()}
+        load_fields = lambda _label, m, run_dir: with_load_fields(m, run_dir)  # noqa: E731
+        closed = run_variants(c, {f"closed N={n}": [f"study.closed.num_clients={n}"] for n in c.study.clients}, d,
+                              derive=load_fields)
         peak_label = max(closed, key=lambda k: closed[k]["throughput_rps"] or 0.0)
         peak = closed[peak_label]["throughput_rps"]
         rates = {f"open {f:g}x": round(f * peak, 4) for f in c.study.rate_factors}
         opened = run_variants(c, {k: ["workload=${study.open}", f"study.open.arrival.rate_rps={r}"]
-                                  for k, r in rates.items()}, d)
-        opened = {k: with_load_fields(m, d / slug(k)) for k, m in opened.items()}
+                                  for k, r in rates.items()}, d, derive=load_fields)
         curves[f"closed loop ({backend})"] = {m["offered_rps"]: m for m in closed.values()}
         curves[f"open loop ({backend})"] = {m["offered_rps"]: m for m in opened.values()}
         worst_closed = closed[f"closed N={c.study.clients[-1]}"]
@@ -69,5 +69,5 @@ def run(cfg: DictConfig, out: Path) -> Report:
         rep.metric_table({**closed, **opened}, COLUMNS, first="load")
     fig = plots.metric_curves(curves, COLUMNS[1:], out / "load_test_modes.png", "", x_key=COLUMNS[0])
     rep.figure(fig, "Completed rate, failures, latency and goodput against the offered rate: the closed loop "
-                    "never offers more than it completes")
+                    "never offers more than it completes (dashed: the TTFT SLO)")
     return rep

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from core.metrics import bucket_labels, percentile
 from experiments import plots
-from experiments.studies.common import Report, backends, fmt, run_variants, slug
+from experiments.studies.common import Report, backends, fmt, fmt_ci, run_dir, run_variants, seeds_of, slug
 
 MODES = ("off", "cold", "warm")
 PREFIX = [("request_hit_rate", "request hit rate", 1.0), ("token_reuse_rate", "token reuse rate", 1.0),
@@ -63,7 +63,7 @@ def run(cfg: DictConfig, out: Path) -> Report:
              "The same measured requests in every mode; warm-up requests run first and are excluded. Request hit "
              "rate = requests with a cached prefix / requests; token reuse = cached / prompt tokens; prefill work "
              "saved = sum C(h) / sum C(n), C(n) = a n + b n(n+1)/2 with the model's FLOPs.")
-    bars = {}
+    groups = {}
     for backend, c in backends(cfg).items():
         for name in c.study.workloads:
             d = out / slug(backend) / name
@@ -72,16 +72,20 @@ def run(cfg: DictConfig, out: Path) -> Report:
             saved = rep.number(f"{backend}.{name}.warm.prefill_work_saved", warm["prefill_work_saved"],
                                src + ":prefill_work_saved")
             rep.text(f"## {name} ({backend})",
-                     f"Warm cache: request hit rate {fmt(warm['request_hit_rate'])}, token reuse "
-                     f"{fmt(warm['token_reuse_rate'])}, **prefill work saved {saved}**; TTFT p50 "
-                     f"{fmt(runs['off']['ttft_s']['p50'])} s off -> {fmt(runs['cold']['ttft_s']['p50'])} s cold -> "
-                     f"{fmt(warm['ttft_s']['p50'])} s warm ({warm['num_requests']} measured requests, "
-                     f"{warm['num_warmup']} warm-up).")
+                     f"Warm cache: request hit rate {fmt_ci(warm, 'request_hit_rate')}, token reuse "
+                     f"{fmt_ci(warm, 'token_reuse_rate')}, **prefill work saved {saved}**; TTFT p50 "
+                     f"{fmt_ci(runs['off'], 'ttft_s.p50')} s off -> {fmt_ci(runs['cold'], 'ttft_s.p50')} s cold -> "
+                     f"{fmt_ci(warm, 'ttft_s.p50')} s warm ({fmt(warm['num_requests'])} measured requests, "
+                     f"{fmt(warm['num_warmup'])} warm-up).")
             rep.metric_table(runs, PREFIX, first="cache")
-            rep.text("TTFT p50 (s) per group; groups from the warm run (hit = it reused a cached prefix):")
+            seeds = seeds_of(c)
+            rep.text("TTFT p50 (s) per group; groups from the warm run (hit = it reused a cached prefix)"
+                     + (f", seed {seeds[0]}:" if len(seeds) > 1 else ":"))
             rep.table(["group", "requests", *(f"{m} p50" for m in MODES), "warm vs off"],
-                      group_ttfts({m: d / m for m in MODES}, edges, cfg.metrics.percentile_method))
-            bars.update({f"{name} {m} ({backend})" if backend != "sim" else f"{name} {m}": v for m, v in runs.items()})
-    fig = plots.metric_bars(bars, PREFIX, out / "prefix_cache_value.png")
-    rep.figure(fig, "Hit rate, token reuse and work saved tell different stories; TTFT and goodput per mode")
+                      group_ttfts({m: run_dir(d, m, seeds[0], seeds) for m in MODES}, edges,
+                                  cfg.metrics.percentile_method))
+            groups[name if backend == "sim" else f"{name} ({backend})"] = runs
+    fig = plots.grouped_bars(groups, PREFIX, out / "prefix_cache_value.png")
+    rep.figure(fig, "Hit rate, token reuse and work saved tell different stories; TTFT and goodput per cache mode "
+                    "(bars) and workload (groups)")
     return rep

@@ -16,7 +16,13 @@ from omegaconf import DictConfig
 from core import arithmetic
 from experiments import plots
 from experiments.build import CONF_DIR, model_spec
-from experiments.studies.capacity_under_slo import PANELS, capacity_report, describe_search
+from experiments.studies.capacity_under_slo import (
+    PANELS,
+    attainment_target,
+    capacity_bars,
+    capacity_report,
+    describe_search,
+)
 from experiments.studies.common import Report, fmt, run_variants
 
 SAME_WORK = [("ttft_s.p50", "TTFT p50 (s)", 1.0), ("tpot_s.p50", "TPOT p50 (ms)", 1e3),
@@ -70,8 +76,13 @@ def run(cfg: DictConfig, out: Path) -> Report:
                           out / "same_work_sim")
     rep.text(f"## Same work in the simulator: every setting at {ref:g} req/s")
     rep.metric_table(at_ref, SAME_WORK, first="setting")
-    curves = capacity_report(rep, cfg, out, "setting", "Max load under the SLO")
-    fig = plots.metric_curves(curves, PANELS, out / "quantization_gain.png", "request rate (req/s)")
+    fig = plots.metric_bars(at_ref, SAME_WORK, out / "same_work_sim.png")
+    rep.figure(fig, f"Every setting at {ref:g} req/s in the simulator (dashed: the TTFT SLO)")
+    bars: dict = {}
+    curves = capacity_report(rep, cfg, out, "setting", "Max load under the SLO", bars=bars)
+    capacity_bars(rep, bars, out / "quantization_capacity.png", "setting")
+    fig = plots.metric_curves(curves, PANELS, out / "quantization_gain.png", "request rate (req/s)",
+                              targets=attainment_target(cfg))
     rep.figure(fig, f"Every probe of the searches: SLO attainment (capacity where it crosses "
                     f"{cfg.study.capacity.target}), goodput and tail latency per setting against the request rate")
     return rep

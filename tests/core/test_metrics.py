@@ -198,3 +198,19 @@ def test_group_stats_come_from_the_group_samples(rows, method):
     for label, (lo, hi) in zip(out["groups"]["prompt_len"], [(0, 100), (100, 1000), (1000, math.inf)], strict=True):
         x = [t for n, t in lens if lo <= n < hi]
         assert out["groups"]["prompt_len"][label]["ttft_s"]["mean"] == (pytest.approx(np.mean(x)) if x else None)
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=300), st.floats(0, 100))
+def test_nearest_rank_is_numpys_inverted_cdf_away_from_rounding_ties(values, p):
+    """numpy's inverted_cdf is the nearest-rank definition; only where p * n / 100 is an integer up to rounding
+    does numpy's floating-point q * n pick the next rank (p=99.9, n=1000), which ours does not."""
+    n = len(values)
+    if abs(p * n / 100 - round(p * n / 100)) < 1e-6:
+        return
+    assert percentile(values, p) == float(np.percentile(values, p, method="inverted_cdf"))
+
+
+def test_nearest_rank_at_a_rounding_tie_keeps_the_definition():
+    x = np.arange(1000, dtype=float)
+    assert percentile(x, 99.9) == 998.0  # 999 of 1000 values (99.9%) are <= 998
+    assert float(np.percentile(x, 99.9, method="inverted_cdf")) == 999.0  # numpy's rounding picks the next one

@@ -176,3 +176,65 @@ def test_decode_roofline_weight_reads_include_the_lm_head():
     row = roofline_rows(cost, [8], [1024], 10**9)[0]
     t = cost.breakdown(decode_features(8, 1024))
     assert t["lm_head"] > 0 and row["weights_s"] == pytest.approx(t["linear"] + t["lm_head"])
+
+
+# ---- repeats: study.seeds ---------------------------------------------------------------------------------------
+def test_mean_ci_by_hand():
+    from experiments.studies.common import mean_ci
+
+    t_975_2 = 4.302652729911275  # Student t, 97.5th percentile, 2 degrees of freedom
+    mean, lo, hi = mean_ci([1.0, 2.0, 3.0])  # sample sd 1
+    assert mean == 2.0
+    assert (lo, hi) == pytest.approx((2.0 - t_975_2 / 3 ** 0.5, 2.0 + t_975_2 / 3 ** 0.5))
+    t_975_1 = 12.706204736174698
+    mean, lo, hi = mean_ci([None, float("nan"), 4.0, 6.0])  # missing values left out: n = 2, sd sqrt(2)
+    assert mean == 5.0 and hi - mean == pytest.approx(t_975_1 * 2 ** 0.5 / 2 ** 0.5)
+    assert mean_ci([5.0]) == (5.0, None, None)  # one seed: no interval
+    assert mean_ci([None]) == (None, None, None)
+
+
+def test_aggregate_means_every_number_and_records_intervals():
+    from experiments.studies.common import aggregate, fmt_ci
+
+    a = {"goodput_rps": 1.0, "ttft_s": {"p99": 0.5}, "num_requests": 10, "slo": {"ttft_s": 2.0, "tpot_s": None},
+         "percentile_method": "nearest_rank", "flag": True, "maybe": None}
+    b = {**a, "goodput_rps": 3.0, "ttft_s": {"p99": 0.7}, "num_requests": 12}
+    m = aggregate([a, b], [0, 1])
+    assert m["goodput_rps"] == 2.0 and m["ttft_s"]["p99"] == pytest.approx(0.6) and m["num_requests"] == 11.0
+    assert m["slo"] == {"ttft_s": 2.0, "tpot_s": None} and m["percentile_method"] == "nearest_rank"
+    assert m["flag"] is True and m["maybe"] is None
+    assert m["repeats"]["n"] == 2 and m["repeats"]["seeds"] == [0, 1]
+    lo, hi = m["repeats"]["ci95"]["goodput_rps"]
+    assert lo == pytest.approx(2.0 - 12.706204736174698) and hi == pytest.approx(2.0 + 12.706204736174698)
+    assert m["repeats"]["ci95"]["slo.ttft_s"] == [2.0, 2.0]
+    assert fmt_ci(m, "goodput_rps") == f"2 [{lo:.4g}, {hi:.4g}]" and fmt_ci(a, "goodput_rps") == "1"
+
+
+def test_default_seeds_are_the_run_seed():
+    from experiments.studies.common import seeds_of
+
+    for name in studies():
+        cfg = study_cfg(name, "seed=7")
+        if "seeds" in cfg.study:
+            assert seeds_of(cfg) == [7], name
+
+
+def test_study_with_two_seeds_reports_mean_and_interval(tmp_path):
+    """stall_metrics (seconds) with study.seeds=[0,1]: each variant runs per seed into <variant>/seed=<s>/, its
+    metrics.json is the mean over the seeds with their 95% interval, the table prints `mean [low, high]`, and the
+    headline numbers still equal the files they name."""
+    from experiments.studies.common import mean_ci
+
+    out = run_tiny("stall_metrics", tmp_path, "study.seeds=[0,1]")
+    variant = out / "sim" / "vllm_prefill_first"
+    per_seed = [json.loads((variant / f"seed={s}" / "metrics.json").read_text()) for s in (0, 1)]
+    assert per_seed[0] != per_seed[1]  # the seed changes the runs
+    agg = json.loads((variant / "metrics.json").read_text())
+    assert agg["repeats"]["n"] == 2 and agg["repeats"]["seeds"] == [0, 1]
+    values = [m["itl_s"]["p99"] for m in per_seed]
+    mean, lo, hi = mean_ci(values)
+    assert agg["itl_s"]["p99"] == pytest.approx(mean)
+    assert agg["repeats"]["ci95"]["itl_s.p99"] == pytest.approx([lo, hi]) and lo < mean < hi
+    text = (out / "summary.md").read_text()
+    assert f"{mean * 1e3:.4g} [{lo * 1e3:.4g}, {hi * 1e3:.4g}]" in text  # p99 ITL (ms) cell
+    assert "Mean over 2 seeds" in text and "study.seeds=[0,1]" in text

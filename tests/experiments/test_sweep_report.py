@@ -67,7 +67,7 @@ def test_multirun_job_directories_are_job_numbers(tmp_path):
     cmd = [sys.executable, "-m", "experiments.run", "-m", f"hydra.sweep.dir={sweep}", "workload.num_requests=4",
            "output.plots=false", "output.progress=false", "scheduler.max_num_batched_tokens=64,128", *extra]
     subprocess.run(cmd, check=True, capture_output=True, cwd=CONF_DIR.parent, timeout=300)
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))  # .progress etc.
     assert jobs == ["0", "1"]
     recorded = yaml.safe_load((sweep / "1" / ".hydra" / "overrides.yaml").read_text())
     assert "scheduler.max_num_batched_tokens=128" in recorded and extra[0] in recorded
@@ -112,14 +112,73 @@ def test_jobs_that_no_swept_key_tells_apart_are_refused(tmp_path):
                  "output.plots=false"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    for name, extra in (("a/0", []), ("a/1", ["seed=1"]), ("b/0", ["seed=1"])):  # nested job directories
+    for name, extra in (("a/0", []), ("a/1", ["replicas=1"]), ("b/0", ["replicas=1"])):  # nested job directories
         job = tmp_path / name
         run(cfg, job)
         (job / ".hydra").mkdir()
         (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides + extra))
-    with pytest.raises(ValueError, match=r"jobs a/1, b/0 have the same value of every swept key \['seed'"):
+    with pytest.raises(ValueError, match=r"jobs a/1, b/0 have the same value of every swept key \['replicas'"):
         report(tmp_path)
-    (tmp_path / "b" / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides + ["seed=2"]))
+    (tmp_path / "b" / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides + ["replicas=2"]))
     report(tmp_path)
     table = (tmp_path / "sweep_report.md").read_text().splitlines()
-    assert table[0].startswith("| seed | scheduler |") and len(table) == 2 + 3
+    assert table[0].startswith("| replicas | scheduler |") and len(table) == 2 + 3
+
+
+# ---- repeats: jobs that differ only in seed ---------------------------------------------------------------------
+def fake_job(root, name, overrides, goodput, ttft=1.0, stall=0.1, slo_ttft=2.0):
+    """A finished job directory without running anything: .hydra/overrides.yaml and the metrics.json keys the
+    report reads."""
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / "metrics.json").write_text(json.dumps({
+        "run_status": "complete", "goodput_rps": goodput, "ttft_s": {"p90": ttft}, "max_stall_s": {"p99": stall},
+        "slo": {"ttft_s": slo_ttft, "max_stall_s": 0.2, "tpot_s": None, "e2e_s": None}}))
+
+
+T_975_2 = 4.302652729911275  # Student t, 97.5th percentile, 2 degrees of freedom (tables)
+
+
+def test_seed_repeats_are_one_point_with_mean_and_95_interval(tmp_path):
+    """A multirun `seed=0,1,2` x scheduler x budget: 3 repeats per point, not an ambiguity. Goodputs 1, 2, 3: mean
+    2, sample sd 1, interval 2 -+ t(0.975, 2) / sqrt(3)."""
+    job = 0
+    for sched in ("orca", "sarathi"):
+        for budget in (64, 256):
+            for seed, goodput in zip((0, 1, 2), (1.0, 2.0, 3.0), strict=True):
+                fake_job(tmp_path, str(job), [f"scheduler={sched}", f"scheduler.max_num_batched_tokens={budget}",
+                                              f"seed={seed}"], goodput + (budget == 256), ttft=0.5 + seed)
+                job += 1
+    png = report(tmp_path)
+    assert png.stat().st_size > 10_000
+    lines = (tmp_path / "sweep_report.md").read_text().splitlines()
+    assert lines[0].startswith("| scheduler | scheduler.max_num_batched_tokens | n | TTFT p90 (s) mean | "
+                               "TTFT p90 (s) ci_low | TTFT p90 (s) ci_high |")
+    assert lines[0].endswith("| goodput (req/s) mean | goodput (req/s) ci_low | goodput (req/s) ci_high |")
+    rows = [r for r in lines[2:] if r.startswith("| ")]
+    assert len(rows) == 4  # one per (scheduler, budget), not per job
+    half = T_975_2 * 1.0 / 3 ** 0.5  # sd of (1, 2, 3) and of (0.5, 1.5, 2.5) is 1
+    cells = rows[0].strip("| ").split(" | ")
+    assert cells[:3] == ["orca", "64", "3"]
+    assert cells[3:6] == [f"{1.5:.4g}", f"{1.5 - half:.4g}", f"{1.5 + half:.4g}"]  # TTFT p90
+    assert cells[-3:] == [f"{2.0:.4g}", f"{2.0 - half:.4g}", f"{2.0 + half:.4g}"]  # goodput
+    assert rows[1].startswith("| orca | 256 | 3 |") and rows[1].split(" | ")[-3] == f"{3.0:.4g}"
+    assert "Repeats: jobs that differ only in seed (0, 1, 2)" in lines[-1]
+
+
+def test_a_seed_given_twice_is_still_refused_and_one_seed_has_no_interval(tmp_path):
+    for i, (seed, goodput) in enumerate(((0, 1.0), (1, 2.0), (1, 5.0))):
+        fake_job(tmp_path, str(i), ["scheduler=orca", "scheduler.max_num_batched_tokens=64", f"seed={seed}"], goodput)
+    fake_job(tmp_path, "3", ["scheduler=orca", "scheduler.max_num_batched_tokens=128", "seed=0"], 4.0)
+    with pytest.raises(ValueError, match=r"jobs 1, 2 have the same value of every swept key \['seed'"):
+        report(tmp_path)
+    (tmp_path / "2" / ".hydra" / "overrides.yaml").write_text(
+        yaml.safe_dump(["scheduler=orca", "scheduler.max_num_batched_tokens=64", "seed=2"]))
+    report(tmp_path)
+    rows = (tmp_path / "sweep_report.md").read_text().splitlines()
+    single = next(r for r in rows if r.startswith("| orca | 128 |"))
+    assert single.startswith("| orca | 128 | 1 |") and single.endswith("| 4 | n/a | n/a |")
+    # --repeat names another key: seed is then an ordinary facet again
+    report(tmp_path, repeat="replicas")
+    assert (tmp_path / "sweep_report.md").read_text().startswith("| seed | scheduler |")
