@@ -1,5 +1,5 @@
 """Linear (fitted) step time: t = c0 + a·prefill tokens + b·decode seqs + c·attention pairs + e·KV tokens read
-+ g·cached context tokens of prefill chunks."""
++ g·cached context tokens of prefill chunks + h·draft tokens verified (speculative decoding)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class LinearCostModel:
     # per token of cached context a prefill chunk attends to (a chunk after a cached prefix or an earlier chunk
     # reads that KV; on the CPU engine it also takes the masked attention path)
     per_prefill_context_token_s: float = 0.0
+    per_draft_token_s: float = 0.0  # per draft token a speculative decode verifies (its position, the proposer's work)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -36,7 +37,8 @@ class LinearCostModel:
     def step_time(self, f: StepFeatures) -> float:
         return (self.c0_s + self.per_prefill_token_s * f.num_prefill_tokens + self.per_decode_seq_s * f.num_decode_seqs
                 + self.per_attention_pair_s * f.attention_pairs + self.per_kv_token_read_s * f.kv_tokens_read
-                + self.per_prefill_context_token_s * (f.prefill_kv_tokens - f.num_prefill_tokens))
+                + self.per_prefill_context_token_s * (f.prefill_kv_tokens - f.num_prefill_tokens)
+                + self.per_draft_token_s * f.num_draft_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {"_target_": TARGET, **asdict(self)}
