@@ -71,7 +71,11 @@ def run(cfg: DictConfig, out: Path) -> Report:
                           fmt(max(u for u in ups.values() if u is not None)),
                           fmt(stop) if stop else f"> {sizes[-1]}",
                           fmt(by_b[sizes[0]].get("draft_acceptance_alpha"))])
-        rep.text(f"## {backend}")
+        rep.text(f"## {backend}", f"{c.model.name} on {c.hardware.name}, cost model "
+                 f"{c.cost_model._target_.rsplit('.', 1)[-1]}, drafts from `{c.spec.method}`"
+                 + (f" ({c.spec.draft_model})" if c.spec.method == "draft" else "")
+                 + (": acceptance measured on the engine" if backend.startswith("engine") else
+                    ": each run takes the engine's measured acceptance" if "cpu scale" in backend else "") + ".")
         rep.table(["variant", f"speed-up at B={sizes[0]}", "best speed-up", "first B where it stops paying",
                    f"measured alpha (B={sizes[0]})"], table)
     (out / "speedup.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
