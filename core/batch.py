@@ -16,20 +16,33 @@ class Chunk:
     num_tokens: int
     samples: bool  # the chunk completes the sequence, so the step samples a token for it
     is_decode: bool  # one token at the end of a sequence that already has outputs
+    # Speculative decoding: draft tokens verified after the decode token, in the same forward pass (the step
+    # computes 1 + num_draft_tokens positions and may sample up to 1 + num_draft_tokens tokens). Only decodes draft.
+    num_draft_tokens: int = 0
 
     @classmethod
-    def next(cls, state: RequestState, num_tokens: int) -> Chunk:
-        """The next ``num_tokens`` uncomputed tokens of ``state`` (flags fixed at build time)."""
+    def next(cls, state: RequestState, num_tokens: int, num_draft_tokens: int = 0) -> Chunk:
+        """The next ``num_tokens`` uncomputed tokens of ``state`` (flags fixed at build time), plus
+        ``num_draft_tokens`` speculative positions when the chunk is a decode."""
         start = state.num_computed_tokens
         total = state.request.prompt_len + len(state.output_token_ids)
         if not 0 < num_tokens <= total - start:
             raise ValueError(f"request {state.id}: chunk of {num_tokens} tokens, {total - start} remain")
         samples = start + num_tokens == total
-        return cls(state, start, num_tokens, samples, samples and num_tokens == 1 and total > state.request.prompt_len)
+        is_decode = samples and num_tokens == 1 and total > state.request.prompt_len
+        if num_draft_tokens and (num_draft_tokens < 0 or not is_decode):
+            raise ValueError(f"request {state.id}: only a decode chunk can carry draft tokens "
+                             f"(got {num_draft_tokens} on a {num_tokens}-token chunk at {start}/{total})")
+        return cls(state, start, num_tokens, samples, is_decode, num_draft_tokens)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def num_positions(self) -> int:
+        """Positions the step computes for this chunk (KV written): its tokens plus its draft tokens."""
+        return self.num_tokens + self.num_draft_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +51,11 @@ class StepFeatures:
 
     attention_pairs: sum over prefill chunks of n*c + n*(n+1)/2 (n = chunk length, c = cached context),
         the (query, key) pairs of causal attention including the cached prefix.
-    kv_tokens_read: sum over decode chunks of the context each decode attends to (c + 1).
+    kv_tokens_read: sum over decode chunks of the context each decode attends to (c + 1; c + 1 + d with d draft
+        tokens: a speculative decode verifies its d drafts in the same pass).
     prefill_kv_tokens: sum over prefill chunks of c + n (KV a prefill chunk's attention touches).
+    num_draft_tokens: draft tokens verified in this step (speculative decoding; 0 otherwise). They are also in
+        ``num_batched_tokens``: a decode with d drafts computes 1 + d positions.
     """
 
     num_seqs: int = 0
@@ -51,24 +67,26 @@ class StepFeatures:
     kv_tokens_read: int = 0
     prefill_kv_tokens: int = 0
     max_context_len: int = 0
+    num_draft_tokens: int = 0
 
     @classmethod
     def of(cls, chunks: list[Chunk]) -> StepFeatures:
-        n_pre = t_pre = n_dec = pairs = kv = pre_kv = max_ctx = tokens = 0
+        n_pre = t_pre = n_dec = pairs = kv = pre_kv = max_ctx = tokens = drafts = 0
         for ch in chunks:
-            n, c = ch.num_tokens, ch.start
+            n, c = ch.num_tokens + ch.num_draft_tokens, ch.start
             tokens += n
             if c + n > max_ctx:
                 max_ctx = c + n
             if ch.is_decode:
                 n_dec += 1
-                kv += c + 1
+                kv += c + n
+                drafts += ch.num_draft_tokens
             else:
                 n_pre += 1
                 t_pre += n
                 pairs += n * c + n * (n + 1) // 2
                 pre_kv += c + n
-        return cls(len(chunks), tokens, n_pre, t_pre, n_dec, pairs, kv, pre_kv, max_ctx)
+        return cls(len(chunks), tokens, n_pre, t_pre, n_dec, pairs, kv, pre_kv, max_ctx, drafts)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ MAX_CHUNK = 1024
 def decode_features(first: StepFeatures, m: int) -> StepFeatures:
     """Step ``m`` of a decode run whose step 0 has features ``first``: every sequence one token further."""
     n = first.num_decode_seqs
-    return StepFeatures(n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m)
+    return StepFeatures(n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m, 0)
 
 
 # One StepFeatures and one StepRecord per fast-forwarded step are most of what such a step costs, and a frozen
@@ -67,11 +67,11 @@ def decode_features(first: StepFeatures, m: int) -> StepFeatures:
 # two build the very same objects (same class, same field values: equal, same rows) through the slot descriptors;
 # the field lists are checked here, so a changed dataclass fails at import instead of building wrong objects.
 _FEATURE_FIELDS = ("num_seqs", "num_batched_tokens", "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs",
-                   "attention_pairs", "kv_tokens_read", "prefill_kv_tokens", "max_context_len")
+                   "attention_pairs", "kv_tokens_read", "prefill_kv_tokens", "max_context_len", "num_draft_tokens")
 _RECORD_FIELDS = ("replica", "start_s", "duration_s", "features", "kv_blocks_used", "num_preempted")
 if StepFeatures.names() != _FEATURE_FIELDS or tuple(StepRecord.__dataclass_fields__) != _RECORD_FIELDS:
     raise ImportError("core.fast_forward: StepFeatures / StepRecord fields changed; update _decode_step")
-_f_seqs, _f_tokens, _f_pseqs, _f_ptokens, _f_dseqs, _f_pairs, _f_kv, _f_pkv, _f_ctx = (
+_f_seqs, _f_tokens, _f_pseqs, _f_ptokens, _f_dseqs, _f_pairs, _f_kv, _f_pkv, _f_ctx, _f_drafts = (
     StepFeatures.__dict__[k].__set__ for k in _FEATURE_FIELDS)
 _r_replica, _r_start, _r_duration, _r_features, _r_blocks, _r_preempted = (
     StepRecord.__dict__[k].__set__ for k in _RECORD_FIELDS)
@@ -79,10 +79,10 @@ _new = object.__new__
 
 
 def _decode_step(replica: int, start: float, duration: float, n: int, kv: int, ctx: int, blocks: int) -> StepRecord:
-    """``StepRecord(replica, start, duration, StepFeatures(n, n, 0, 0, n, 0, kv, 0, ctx), blocks, 0)``, faster."""
+    """``StepRecord(replica, start, duration, StepFeatures(n, n, 0, 0, n, 0, kv, 0, ctx, 0), blocks, 0)``, faster."""
     f = _new(StepFeatures)
     _f_seqs(f, n), _f_tokens(f, n), _f_pseqs(f, 0), _f_ptokens(f, 0), _f_dseqs(f, n), _f_pairs(f, 0)
-    _f_kv(f, kv), _f_pkv(f, 0), _f_ctx(f, ctx)
+    _f_kv(f, kv), _f_pkv(f, 0), _f_ctx(f, ctx), _f_drafts(f, 0)
     r = _new(StepRecord)
     _r_replica(r, replica), _r_start(r, start), _r_duration(r, duration), _r_features(r, f), _r_blocks(r, blocks)
     _r_preempted(r, 0)
@@ -104,7 +104,7 @@ class DecodeRun:
         self.states = states = list(order)  # the order the scheduler decodes and allocates in (steady_decode)
         n = len(states)
         ctx = [s.num_computed_tokens + 1 for s in states]  # each next decode attends to its context and itself
-        self.first = StepFeatures(n, n, 0, 0, n, 0, sum(ctx), 0, max(ctx))
+        self.first = StepFeatures(n, n, 0, 0, n, 0, sum(ctx), 0, max(ctx), 0)
         run = executor.decode_run(self.first, min(FIRST_CHUNK, limit))
         self.durations: list[float] = list(run.durations)
         self.token = run.token

@@ -83,6 +83,20 @@ class SchedulerView(Protocol):
     def preempt(self, state: RequestState) -> None:
         """Recompute preemption: drop the running request's KV and put it at the head of the waiting queue."""
 
+    def num_draft_tokens(self, state: RequestState) -> int:
+        """Draft tokens a running request in decode should verify this step (speculative decoding; 0 when off):
+        the replica's ``SpeculationPolicy``, capped so that drafts never run past the request's remaining outputs
+        or ``max_model_len``. A scheduler budgets 1 + this many tokens (and KV slots) for the decode."""
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """Speculative decoding: how many draft tokens (k) a decoding request verifies in this step. A policy may
+    read the request's acceptance so far (``state.num_draft_accepted / state.num_draft_proposed``) and how many
+    requests run (``num_running``): drafts pay at small batches and high acceptance, and cost compute otherwise."""
+
+    def num_draft_tokens(self, state: RequestState, num_running: int) -> int: ...
+
 
 @runtime_checkable
 class Scheduler(Protocol):
@@ -215,11 +229,16 @@ class DecodeRun:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """Result of executing one batch: one sampled token per chunk with ``samples`` set (in batch order), and the
-    step's duration in seconds (predicted by a cost model, or measured by the engine)."""
+    """Result of executing one batch: the sampled tokens of the chunks with ``samples`` set (in batch order), and
+    the step's duration in seconds (predicted by a cost model, or measured by the engine).
+
+    Without speculation each sampling chunk yields one token and ``num_tokens`` is None. A speculative decode
+    (a chunk with d draft tokens) yields its accepted drafts plus one token from the target, 1 to d + 1 tokens:
+    ``num_tokens`` then gives the count per sampling chunk and ``tokens`` holds them all, flattened in order."""
 
     tokens: list[int]
     duration_s: float
+    num_tokens: list[int] | None = None
 
 
 @runtime_checkable

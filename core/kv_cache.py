@@ -184,6 +184,18 @@ class KVCacheManager:
             self.eviction.on_cached(blk, now)
         self._registered[state.id] = done
 
+    def trim(self, state: RequestState, num_tokens: int) -> None:
+        """Shrink a running request's table to the blocks ``num_tokens`` tokens need (speculative decoding: the
+        blocks allocated for drafts the target rejected). Such tail blocks hold no published prefix."""
+        table = self._tables[state.id]
+        keep = max(-(-num_tokens // self.block_size), self._registered.get(state.id, 0))
+        while len(table) > keep:
+            bid = table.pop()
+            blk = self._items[bid]
+            blk.ref_count -= 1
+            assert blk.ref_count == 0 and blk.hash is None, f"trimmed block {bid} is shared or cached"
+            self._free.append(bid)
+
     def free(self, state: RequestState, now: float) -> None:
         """Drop the request's references. Tail blocks go first so that equal-age evictions take tails first."""
         table = self._tables.pop(state.id, None)

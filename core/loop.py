@@ -216,7 +216,7 @@ class ServingLoop:
             out = executor.execute(batch)
             duration = out.duration_s + sched_s
             yield Sleep(duration, start)
-            replica.apply(batch, out.tokens, clock.now)
+            replica.apply(batch, out.tokens, clock.now, out.num_tokens)
             record = StepRecord(i, start, duration, batch.features, replica.kv.num_used_blocks, len(batch.preempted))
             self.steps.append(record)
             if self.keep_batches:

@@ -284,4 +284,11 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
             "prompt_len": prompt_groups,
         },
         "prompt_len_edges": edges,
+        # speculative decoding (null without drafts): draft tokens verified and accepted; the acceptance rate
+        # accepted / proposed; alpha, the chance a draft is accepted given the ones before it were (the
+        # simulator's spec.acceptance_rate): accepted / (accepted + verify steps that hit a rejection)
+        "draft_tokens_proposed": int(proposed := sum(s.num_draft_proposed for s in measured)),
+        "draft_tokens_accepted": int(accepted := sum(s.num_draft_accepted for s in measured)),
+        "draft_acceptance_rate": _ratio(accepted, proposed),
+        "draft_acceptance_alpha": _ratio(accepted, accepted + sum(s.num_draft_rejections for s in measured)),
     }

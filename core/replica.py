@@ -14,7 +14,15 @@ from collections.abc import Callable
 
 from core.batch import Batch
 from core.fast_forward import DecodeRun, finish_limit
-from core.interfaces import Executor, ReplicaView, Scheduler, SchedulerLimits, SchedulerView, SteadyDecodeScheduler
+from core.interfaces import (
+    Executor,
+    ReplicaView,
+    Scheduler,
+    SchedulerLimits,
+    SchedulerView,
+    SpeculationPolicy,
+    SteadyDecodeScheduler,
+)
 from core.kv_cache import KVCacheManager
 from core.prompt import block_hashes
 from core.request import Request, RequestState, Status
@@ -29,7 +37,8 @@ class ReplicaSchedulerView:
     """The ``SchedulerView`` a Replica hands its Scheduler: one object reused every step, holding the replica's
     queues and (privately) its KV cache manager."""
 
-    __slots__ = ("now", "waiting", "running", "limits", "preempted", "blocked", "block_size", "_kv", "_allocate")
+    __slots__ = ("now", "waiting", "running", "limits", "preempted", "blocked", "block_size", "_kv", "_allocate",
+                 "_speculation")
 
     def __init__(self, replica: Replica, now: float) -> None:
         self.now = now
@@ -41,6 +50,7 @@ class ReplicaSchedulerView:
         self.block_size: int = replica.kv.block_size
         self._kv = replica.kv
         self._allocate = replica.kv.allocate  # bound once: allocate() runs for every running request every step
+        self._speculation = replica.speculation
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,12 +88,24 @@ class ReplicaSchedulerView:
         self.waiting.appendleft(state)
         self.preempted.append(state.id)
 
+    def num_draft_tokens(self, state: RequestState) -> int:
+        """Draft tokens for a decode of ``state`` this step (0 without a speculation policy); see SchedulerView."""
+        if self._speculation is None:
+            return 0
+        k = self._speculation.num_draft_tokens(state, len(self.running))
+        # a draft past the last output is never used; nor may a position pass max_model_len (the state's
+        # tokens + 1 decode + k drafts, minus the last output, which is never fed back)
+        left = min(state.request.max_new_tokens - len(state.output_token_ids),
+                   self.limits.max_model_len - state.num_tokens) - 1
+        return max(0, min(int(k), left))
+
 
 class Replica:
     def __init__(self, index: int, scheduler: Scheduler, kv: KVCacheManager, limits: SchedulerLimits,
-                 on_terminal: OnTerminal | None = None) -> None:
+                 on_terminal: OnTerminal | None = None, speculation: SpeculationPolicy | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
+        self.speculation = speculation  # speculative decoding: draft tokens per decode (None: off)
         self.kv = kv
         self.limits = limits
         self.on_terminal: OnTerminal = on_terminal or (lambda state, now: None)
@@ -162,9 +184,14 @@ class Replica:
                       f"scheduler {type(self.scheduler).__name__} could not schedule it on an idle replica")
         return batch
 
-    def apply(self, batch: Batch, tokens: list[int], end_s: float) -> None:
-        """Advance every chunk, append sampled tokens, finish requests, release their blocks."""
-        sampled = iter(tokens)
+    def apply(self, batch: Batch, tokens: list[int], end_s: float, num_tokens: list[int] | None = None) -> None:
+        """Advance every chunk, append sampled tokens, finish requests, release their blocks.
+
+        ``num_tokens`` (``StepOutput.num_tokens``): tokens per sampling chunk when the step verified drafts; a
+        speculative decode with d drafts yields 1 to d + 1 tokens, and KV blocks that only held rejected drafts
+        go back to the pool."""
+        counts = iter(num_tokens) if num_tokens is not None else None
+        pos = 0
         finished = False
         bs = self.kv.block_size
         for ch in batch.chunks:
@@ -174,22 +201,43 @@ class Replica:
                 self.kv.register_computed(state, end_s)
             if not ch.samples:
                 continue
-            tok = next(sampled, None)
-            if tok is None:
-                raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples more")
-            state.add_token(tok, end_s)  # output id, token time, first_token_s (RequestState.add_tokens: several)
-            n = len(state.output_token_ids)
-            # a stop token (EOS unless ignored, or a stop id: state.stop_token_ids) counts after min_tokens others
-            if n >= state.request.max_new_tokens or (tok in state.stop_token_ids and n > state.request.min_tokens):
-                state.status = Status.FINISHED
+            n = 1 if counts is None else next(counts, 0)
+            if not 1 <= n <= 1 + ch.num_draft_tokens or pos + n > len(tokens):
+                raise RuntimeError(f"executor returned {n} tokens for request {state.id} "
+                                   f"({ch.num_draft_tokens} drafts; {len(tokens)} tokens in all)")
+            new, pos = tokens[pos:pos + n], pos + n
+            if ch.num_draft_tokens:
+                state.num_draft_proposed += ch.num_draft_tokens
+                state.num_draft_accepted += n - 1
+                state.num_draft_rejections += n <= ch.num_draft_tokens
+                state.num_computed_tokens = ch.end + n - 1  # the accepted drafts' KV is in the cache
+            if self._append(state, new, end_s):
                 finished = True
-        if next(sampled, None) is not None:
-            raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples fewer")
+            if ch.num_draft_tokens:
+                self.kv.trim(state, state.num_computed_tokens)  # blocks that held only rejected drafts
+        if pos != len(tokens) or (counts is not None and next(counts, None) is not None):
+            raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples {pos}")
         if finished:
             done = [s for s in self.running if s.status is Status.FINISHED]
             self.running[:] = [s for s in self.running if s.status is not Status.FINISHED]
             for state in done:
                 self._end(state, Status.FINISHED, end_s)
+
+    @staticmethod
+    def _append(state: RequestState, new: list[int], end_s: float) -> bool:
+        """Append sampled tokens until a stop condition; True when the request finished (tokens after the stop
+        are dropped, as a verified draft past EOS is)."""
+        out, stop, req = state.output_token_ids, state.stop_token_ids, state.request
+        for tok in new:
+            state.add_token(tok, end_s)  # output id, token time, first_token_s
+            n = len(out)
+            # a stop token (EOS unless ignored, or a stop id) counts after min_tokens others
+            if n >= req.max_new_tokens or (tok in stop and n > req.min_tokens):
+                state.status = Status.FINISHED
+                if state.num_computed_tokens > req.prompt_len + n - 1:  # drafts accepted past the stop
+                    state.num_computed_tokens = req.prompt_len + n - 1
+                return True
+        return False
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _end(self, state: RequestState, status: Status, now: float, reason: str = "") -> None:
@@ -241,8 +289,9 @@ class Replica:
             if state.status is not running or state.id in seen:
                 raise RuntimeError(f"{name}: request {state.id} is {state.status.name} or scheduled twice")
             seen.add(state.id)
-            if held(state.id) * bs < ch.end:
-                raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end} without KV blocks")
+            if held(state.id) * bs < ch.end + ch.num_draft_tokens:
+                raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end + ch.num_draft_tokens} "
+                                   "without KV blocks")
 
     def view(self) -> ReplicaView:
         if self._decode_run is not None:  # a router reads output counts: bring a fast-forward's tokens in first

@@ -144,6 +144,9 @@ class RequestState:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     # token ids that end this request (EOS unless ignored, plus its stop_token_ids); set once by Replica.add
     stop_token_ids: frozenset[int] = frozenset()
+    num_draft_proposed: int = 0  # speculative decoding: draft tokens verified for this request so far
+    num_draft_accepted: int = 0  # ... and how many of them the target accepted
+    num_draft_rejections: int = 0  # verify steps that ended at a rejected draft (the rest accepted all)
 
     def __post_init__(self) -> None:
         self.id = self.request.id

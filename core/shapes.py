@@ -18,8 +18,10 @@ from core.kv_cache import KVCacheManager
 from core.request import Request, RequestState, Status
 
 
-def admit_chunk(kv: KVCacheManager, state: RequestState, computed: int, num_tokens: int, now: float = 0.0) -> Chunk:
-    """Room in ``kv`` for tokens ``[computed, computed + num_tokens)`` of ``state``, and that chunk.
+def admit_chunk(kv: KVCacheManager, state: RequestState, computed: int, num_tokens: int, now: float = 0.0,
+                num_draft_tokens: int = 0) -> Chunk:
+    """Room in ``kv`` for tokens ``[computed, computed + num_tokens)`` of ``state`` (plus ``num_draft_tokens``
+    speculative positions after a decode), and that chunk.
 
     A request that is not RUNNING is admitted first (``KVCacheManager.admit`` with its first ``computed`` tokens,
     as if earlier steps had computed them) and becomes RUNNING; a RUNNING one (it holds blocks) is only grown.
@@ -30,9 +32,9 @@ def admit_chunk(kv: KVCacheManager, state: RequestState, computed: int, num_toke
             raise RuntimeError(f"KV pool too small to admit {state.id} with {computed} tokens")
         state.status = Status.RUNNING
     state.num_computed_tokens = computed
-    if not kv.allocate(state, num_tokens, now):
-        raise RuntimeError(f"KV pool too small for {num_tokens} more tokens of {state.id}")
-    return Chunk.next(state, num_tokens)
+    if not kv.allocate(state, num_tokens + num_draft_tokens, now):
+        raise RuntimeError(f"KV pool too small for {num_tokens + num_draft_tokens} more tokens of {state.id}")
+    return Chunk.next(state, num_tokens, num_draft_tokens)
 
 
 def shape_blocks(prefills: Sequence[tuple[int, int]], decodes: Sequence[int], block_size: int) -> int:
@@ -47,22 +49,24 @@ class ShapedBatch:
     ``prefills``: ``(cached, n)`` per chunk; its request has a prompt of ``cached + n`` tokens and one output to
     generate, so the chunk completes the prompt and samples. ``decodes``: context per decode (>= 2); its request
     has a prompt of ``context - 1`` tokens and one output token already (id 0), so its chunk is the decode of that
-    token. Requests are named ``{name}-p{i}`` and ``{name}-d{i}``, chunks come prefills first, in the given order.
+    token; with ``num_draft_tokens`` each decode also verifies that many drafts (speculative decoding). Requests are
+    named ``{name}-p{i}`` and ``{name}-d{i}``, chunks come prefills first, in the given order.
 
     The same states serve every run (an engine executor materialises each prompt once): ``admit`` -> execute the
     batch -> ``release``, again. Prompt content is left to the executor (``core.prompt.materialize``)."""
 
     def __init__(self, prefills: Sequence[tuple[int, int]] = (), decodes: Sequence[int] = (),
-                 name: str = "shape") -> None:
+                 name: str = "shape", num_draft_tokens: int = 0) -> None:
         self.prefills = tuple((int(c), int(n)) for c, n in prefills)
         self.decodes = tuple(int(t) for t in decodes)
+        self.num_draft_tokens = int(num_draft_tokens)
         if any(c < 0 or n < 1 for c, n in self.prefills) or any(t < 2 for t in self.decodes):
             raise ValueError(f"shape {name}: prefills need cached >= 0 and n >= 1, decodes a context >= 2; got "
                              f"prefills={self.prefills}, decodes={self.decodes}")
         self.states: list[RequestState] = [RequestState(Request(f"{name}-p{i}", 0.0, c + n, 1))
                                            for i, (c, n) in enumerate(self.prefills)]
         for i, t in enumerate(self.decodes):
-            st = RequestState(Request(f"{name}-d{i}", 0.0, t - 1, 2))
+            st = RequestState(Request(f"{name}-d{i}", 0.0, t - 1, 2 + self.num_draft_tokens))
             st.output_token_ids.append(0)
             self.states.append(st)
         # (computed, chunk tokens) of each state, in batch order
@@ -70,15 +74,16 @@ class ShapedBatch:
 
     def num_blocks(self, block_size: int) -> int:
         """KV blocks the shape holds while admitted."""
-        return shape_blocks(self.prefills, self.decodes, block_size)
+        return shape_blocks(self.prefills, [t + self.num_draft_tokens for t in self.decodes], block_size)
 
     def admit(self, kv: KVCacheManager, now: float = 0.0) -> Batch:
         """Admit every request to ``kv`` (``admit_chunk``) and return the step's Batch. Raises RuntimeError,
         leaving nothing held, if the pool is too small."""
         chunks = []
         try:
-            for st, (computed, n) in zip(self.states, self._chunks, strict=True):
-                chunks.append(admit_chunk(kv, st, computed, n, now))
+            for i, (st, (computed, n)) in enumerate(zip(self.states, self._chunks, strict=True)):
+                drafts = self.num_draft_tokens if i >= len(self.prefills) else 0
+                chunks.append(admit_chunk(kv, st, computed, n, now, drafts))
         except RuntimeError:
             self.release(kv, now)
             raise

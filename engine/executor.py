@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.batch import Batch
+from core.batch import Batch, Chunk
 from core.checks import check_bool, check_choice, check_float, check_fraction, check_int, check_keys
 from core.interfaces import BaseExecutor, StepOutput
 from core.specs import ModelSpec
@@ -18,6 +18,7 @@ from engine.loader import build_model
 from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingParams
+from engine.speculative import DraftModelProposer, Proposer
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import get_kernels
 
@@ -43,8 +44,10 @@ class EngineExecutor(BaseExecutor):
     Block tables come from the replica's KVCacheManager (the scheduler allocated them before the step).
     """
 
-    def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, clock: str = "wall") -> None:
+    def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, clock: str = "wall",
+                 proposer: Proposer | None = None) -> None:
         self.clock = check_choice(clock, "engine_clock", STOPWATCHES)
+        self.proposer = proposer  # speculative decoding: fills in the drafts the scheduler budgeted
         self.stopwatch = STOPWATCHES[clock]  # the loop adds schedule() time read on the same stopwatch
         if kv_manager.block_size != runner.block_size:
             raise ValueError(f"KV manager block_size={kv_manager.block_size} != runner block_size="
@@ -57,9 +60,19 @@ class EngineExecutor(BaseExecutor):
     def execute(self, batch: Batch) -> StepOutput:
         _sync(self.runner.device)
         t0 = self.stopwatch()
-        tokens = self.runner.execute(batch, self.kv_manager.block_table)
+        if batch.features.num_draft_tokens:
+            if self.proposer is None:
+                raise RuntimeError("the batch verifies draft tokens but the engine has no draft proposer (spec.method)")
+            drafts = self.proposer.propose([ch for ch in batch.chunks if ch.num_draft_tokens], self._sequence)
+            tokens, counts = self.runner.speculate(batch, self.kv_manager.block_table, drafts)
+        else:
+            tokens, counts = self.runner.execute(batch, self.kv_manager.block_table), None
         _sync(self.runner.device)
-        return StepOutput(tokens, self.stopwatch() - t0)
+        return StepOutput(tokens, self.stopwatch() - t0, counts)
+
+    def _sequence(self, chunk: Chunk) -> list[int]:
+        """A request's prompt + outputs so far (what a proposer drafts from)."""
+        return self.runner.tokens_of(chunk.state)
 
     def warmup(self, steps: int = 2, prompt_len: int = 32) -> None:
         """Untimed prefill + decode passes (allocator, kernel and thread-pool warm-up) before a measured run: one
@@ -86,8 +99,10 @@ class EngineExecutor(BaseExecutor):
         self.runner.warmup_kernels()
 
     def release(self, request_id: str) -> None:
-        """Call when a request reaches a terminal status (drops its cached prompt tokens)."""
+        """Call when a request reaches a terminal status (drops its cached prompt tokens, its draft state)."""
         self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
 
 def resolve_kernels(name: str, device: str | torch.device) -> str:
@@ -195,3 +210,21 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
     sampler = Sampler(sampling, seed=seed, device=model.device)
     runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)
     return EngineExecutor(runner, kv_manager, clock)
+
+
+def build_draft_proposer(draft: ModelSpec, target: ModelRunner, num_blocks: int, *, dtype: torch.dtype | None = None,
+                         seed: int = 0, model: LlamaForCausalLM | None = None) -> DraftModelProposer:
+    """A draft-model proposer beside ``target``: the draft model (loaded from ``draft.path`` or random from
+    ``seed``), a KV pool of ``num_blocks`` blocks of the target's block size, and a greedy runner on the target's
+    device and kernels that materialises prompts exactly as the target does."""
+    from core.kv_cache import KVCacheManager
+    from policies.eviction.lru import LRUEviction
+
+    if draft.vocab_size != target.spec.vocab_size:
+        raise ValueError(f"draft model vocabulary {draft.vocab_size} != the target's {target.spec.vocab_size}")
+    device, bs = target.device, target.block_size
+    if model is None:
+        model = build_model(draft, seed=seed, dtype=dtype, device=device)
+    caches = allocate_kv_caches(draft, num_blocks, bs, model.dtype, model.device)
+    runner = ModelRunner(model, draft, target.kernels, caches, bs, device, Sampler(device=device), target.seed)
+    return DraftModelProposer(runner, KVCacheManager(num_blocks, bs, LRUEviction(), enable_prefix_caching=False))

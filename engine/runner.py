@@ -6,7 +6,7 @@ never single tokens), so input preparation stays a small share of the step even 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +33,9 @@ class StepInputs:
     logits_rows: torch.Tensor  # int64 [n]: last token of each sampling chunk
     # the request of each logits row when one of them carries its own sampling params; None: all use the default
     sample_states: list[RequestState] | None = None
+    # speculative decoding: per sampling chunk, its draft tokens ([] for a plain one); None: no drafts this step.
+    # A chunk with d drafts has d + 1 consecutive logits rows.
+    drafts: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -66,6 +69,10 @@ class ModelRunner:
         self._prompts.pop(request_id, None)
         self.sampler.release(request_id)
 
+    def tokens_of(self, state: RequestState) -> list[int]:
+        """The request's prompt (materialised as the model sees it) + its outputs so far."""
+        return self._prompt(state) + state.output_token_ids
+
     def _prompt(self, state: RequestState) -> list[int]:
         entry = self._prompts.get(state.id)
         if entry is not None and entry[0] is state:
@@ -80,13 +87,16 @@ class ModelRunner:
         self._prompts[state.id] = (state, prompt)
         return prompt
 
-    def prepare(self, batch: Batch, block_table: Callable[[str], list[int]]) -> StepInputs:
-        """Flatten ``batch``: token ids, positions, slot mapping, query offsets, context lengths, block tables."""
+    def prepare(self, batch: Batch, block_table: Callable[[str], list[int]],
+                drafts: Mapping[str, list[int]] | None = None) -> StepInputs:
+        """Flatten ``batch``: token ids, positions, slot mapping, query offsets, context lengths, block tables.
+        ``drafts``: the draft tokens of each chunk with ``num_draft_tokens`` (by request id), fed after its token."""
         bs, prompts = self.block_size, self._prompts
         ids: list[int] = []
         flat_blocks: list[int] = []
         starts, lens, num_blocks, logits_rows = [], [], [], []
         offset, own_sampling = 0, False
+        sample_drafts: list[list[int]] | None = None
         for ch in batch.chunks:
             state, s, e = ch.state, ch.start, ch.end
             rid = state.id
@@ -100,17 +110,28 @@ class ModelRunner:
             else:
                 ids += prompt[s:]
                 ids += state.output_token_ids[:e - n_prompt]
+            d = ch.num_draft_tokens
+            if d:
+                draft = drafts[rid] if drafts is not None and rid in drafts else []
+                if len(draft) != d:
+                    raise ValueError(f"request {rid}: chunk verifies {d} drafts, the proposer gave {len(draft)}")
+                ids += draft
+                e += d
+                if sample_drafts is None:
+                    sample_drafts = [[] for _ in logits_rows]
             nb = -(-e // bs)
             table = block_table(rid)
             if len(table) < nb:
                 raise ValueError(f"request {rid}: {e} tokens need {nb} blocks, its block table has {len(table)}")
             flat_blocks += table[:nb]
             starts.append(s)
-            lens.append(ch.num_tokens)
+            lens.append(e - s)
             num_blocks.append(nb)
-            offset += ch.num_tokens
+            offset += e - s
             if ch.samples:
-                logits_rows.append(offset - 1)
+                logits_rows.extend(range(offset - 1 - d, offset))
+                if sample_drafts is not None:
+                    sample_drafts.append(draft if d else [])
                 if state.request.sampling is not None:
                     own_sampling = True
         if len(ids) != offset:
@@ -137,12 +158,12 @@ class ModelRunner:
         to_dev = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev, non_blocking=True)
         seq_lens = (starts_a + lens_a).astype(np.int32)
         if self._decode_cache is not None:
-            self._decode_cache.claim(tuple(ch.state.id for ch in batch.chunks if ch.num_tokens == 1))
+            self._decode_cache.claim(tuple(ch.state.id for ch in batch.chunks if ch.num_positions == 1))
         plan = plan_attention(tables, seq_lens, qsl, bs, self._decode_cache, dev) if self._plan_attention else None
         meta = AttentionMetadata(to_dev(slots), to_dev(qsl), to_dev(seq_lens), to_dev(tables), max(lens), max_seq_len,
                                  plan)
-        sample_states = [ch.state for ch in batch.chunks if ch.samples] if own_sampling else None
-        return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a), sample_states)
+        sample_states = [ch.state for ch in batch.chunks if ch.samples] if own_sampling or sample_drafts else None
+        return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a), sample_states, sample_drafts)
 
     @torch.inference_mode()
     def warmup_kernels(self) -> None:
@@ -177,12 +198,47 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch, block_table: Callable[[str], list[int]]) -> list[int]:
         """One forward step; returns one token per chunk with ``samples`` set, in batch order."""
+        logits, inputs = self._forward(batch, block_table, None)
+        return [] if logits is None else self.sampler(logits, inputs.sample_states).tolist()
+
+    @torch.inference_mode()
+    def speculate(self, batch: Batch, block_table: Callable[[str], list[int]],
+                  drafts: Mapping[str, list[int]]) -> tuple[list[int], list[int]]:
+        """One forward step that also verifies draft tokens (``drafts`` by request id, see ``prepare``): the tokens
+        of the chunks with ``samples`` set, flattened in batch order, and how many each yields (1 to 1 + d;
+        ``Sampler.verify``)."""
+        logits, inputs = self._forward(batch, block_table, drafts)
+        if logits is None:
+            return [], []
+        if inputs.drafts is None:  # no chunk carried drafts
+            return self.sampler(logits, inputs.sample_states).tolist(), [1] * logits.shape[0]
+        return self._verify(logits, inputs)
+
+    def _forward(self, batch: Batch, block_table: Callable[[str], list[int]],
+                 drafts: Mapping[str, list[int]] | None) -> tuple[torch.Tensor | None, StepInputs | None]:
         if batch.empty:
-            return []
-        inputs = self.prepare(batch, block_table)
+            return None, None
+        inputs = self.prepare(batch, block_table, drafts)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
                             rows=inputs.logits_rows)
         if inputs.logits_rows.numel() == 0:
-            return []
-        logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, inputs.sample_states).tolist()
+            return None, inputs
+        return self.model.compute_logits(hidden), inputs
+
+    def _verify(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[list[int], list[int]]:
+        """Tokens of a step with drafts: plain rows sampled together, each speculative decode verified."""
+        states, drafts = inputs.sample_states, inputs.drafts
+        plain, row = [], 0
+        for draft in drafts:
+            if not draft:
+                plain.append(row)
+            row += 1 + len(draft)
+        sampled = iter(self.sampler(logits[plain], [states[i] for i, d in enumerate(drafts) if not d]).tolist()
+                       if plain else [])
+        tokens, counts, row = [], [], 0
+        for state, draft in zip(states, drafts, strict=True):
+            out = self.sampler.verify(logits[row:row + 1 + len(draft)], draft, state) if draft else [next(sampled)]
+            tokens += out
+            counts.append(len(out))
+            row += 1 + len(draft)
+        return tokens, counts

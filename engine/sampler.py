@@ -82,11 +82,45 @@ class Sampler:
         self._seeded[state.id] = (state, gen)
         return gen
 
+    def verify(self, logits: torch.Tensor, drafts: Sequence[int], state: RequestState) -> list[int]:
+        """Speculative decoding: the tokens a decode with ``drafts`` yields, given the target's ``logits`` at its
+        1 + d positions (row i follows the decode token and drafts[:i]).
+
+        Greedy: the drafts that equal the target's argmax, then the target's token at the first mismatch (or
+        after the last draft): exactly what d + 1 plain greedy decodes give. Random: rejection sampling, which
+        keeps the target's distribution for any proposal; drafts here are deterministic (a one-hot proposal q), so
+        draft x is accepted with probability p(x), and a rejection draws from p with x removed (max(p - q, 0)).
+        """
+        p = state.request.sampling or self.params
+        d = len(drafts)
+        if p.greedy:
+            target = logits.max(dim=-1).indices.tolist()
+            a = 0
+            while a < d and drafts[a] == target[a]:
+                a += 1
+            return [*drafts[:a], target[a]]
+        gen = self.generator if p.seed is None else self._generator(state, p.seed)
+        probs = self.probabilities(logits, p)
+        u = torch.rand(d, generator=gen, device=probs.device).tolist() if d else []
+        for i, x in enumerate(drafts):
+            if u[i] >= float(probs[i, x]):
+                residual = probs[i].clone()
+                residual[x] = 0.0
+                if float(residual.sum()) <= 0:  # p was one-hot on x (u >= 1 cannot happen); keep x
+                    return [*drafts[:i], x]
+                return [*drafts[:i], int(torch.multinomial(residual, 1, generator=gen))]
+        return [*drafts, int(torch.multinomial(probs[d], 1, generator=gen))]
+
     @staticmethod
     def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
         """Every row of ``logits`` with the same params, random draws from ``generator``."""
         if p.greedy:
             return logits.max(dim=-1).indices  # faster than argmax on CPU; same first-maximum rule
+        return torch.multinomial(Sampler.probabilities(logits, p), 1, generator=generator).squeeze(-1)
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The distribution random sampling draws from: softmax of logits / temperature, top-k / top-p filtered."""
         logits = logits.float() / p.temperature
         if 0 < p.top_k < logits.shape[-1]:
             kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
@@ -98,5 +132,4 @@ class Sampler:
             drop = probs.cumsum(dim=-1) - probs >= p.top_p
             drop[:, 0] = False
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return logits.softmax(dim=-1)

@@ -244,10 +244,56 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
     check_bool(cfg.kv.prefix_caching, "kv.prefix_caching")
     sched_node, block_size = _without(sched, LIMIT_KEYS), check_int(cfg.kv.block_size, "kv.block_size", 1,
                                                                     whole_float=True)
+    method = spec_method(cfg)
     return [Replica(i, instantiate_group(sched_node, "scheduler"),
                     KVCacheManager(num_blocks, block_size, instantiate_group(cfg.eviction, "eviction"),
-                                   cfg.kv.prefix_caching), limits)
+                                   cfg.kv.prefix_caching), limits,
+                    speculation=instantiate_group(cfg.spec.policy, "speculation") if method else None)
             for i in range(n)]
+
+
+SPEC_METHODS = (None, "ngram", "draft")
+
+
+def spec_method(cfg: DictConfig) -> str | None:
+    """``spec.method``: None (no speculative decoding), ngram or draft (conf/spec)."""
+    node = cfg.get("spec")
+    method = check_choice(node.get("method") if node is not None else None, "spec.method", SPEC_METHODS)
+    if method and "policy" not in node:
+        raise ValueError(f"spec.method={method} needs spec.policy (a policies.speculation class by _target_)")
+    return method
+
+
+def draft_model_spec(cfg: DictConfig) -> ModelSpec:
+    """``spec.draft_model``: a conf/model option name or a checkpoint directory; same vocabulary as the target."""
+    name = str(cfg.spec.draft_model)
+    option = CONF_DIR / "model" / f"{name}.yaml"
+    if (Path(name) / "config.json").is_file():
+        draft = ModelSpec.from_pretrained(Path(name).resolve())
+    elif option.is_file():
+        draft = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(option), resolve=True))
+    else:
+        raise ValueError(f"spec.draft_model={name!r}: neither a conf/model option nor a checkpoint directory")
+    target = model_spec(cfg)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"spec.draft_model={name!r}: vocabulary {draft.vocab_size} != the target's "
+                         f"{target.vocab_size}; a draft must share the target's tokenizer")
+    return draft
+
+
+def sim_speculation(cfg: DictConfig, replica: int) -> Any:
+    """The simulator's acceptance model and draft cost for one replica (None without speculative decoding)."""
+    method = spec_method(cfg)
+    if not method:
+        return None
+    from sim.cost.roofline import RooflineCostModel
+    from sim.speculative import SpeculativeModel
+
+    draft = None
+    if method == "draft":
+        how = check_choice(cfg.spec.get("draft_cost", "roofline"), "spec.draft_cost", ("roofline", "included"))
+        draft = RooflineCostModel(draft_model_spec(cfg), hardware_spec(cfg)) if how == "roofline" else None
+    return SpeculativeModel(cfg.spec.acceptance_rate, seed=(int(cfg.seed), replica), draft_cost=draft)
 
 
 def engine_clock(cfg: DictConfig) -> str:
@@ -271,13 +317,30 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
         from sim.executor import CostModelExecutor
 
         cost = instantiate_group(cfg.cost_model, "cost_model")
-        return [CostModelExecutor(cost) for _ in replicas]
+        return [CostModelExecutor(cost, speculation=sim_speculation(cfg, r.index)) for r in replicas]
     if name == "engine":
         from engine.executor import EngineOptions, build_engine_executors
 
         options = EngineOptions.from_mapping(OmegaConf.to_container(cfg.backend, resolve=True))
-        return build_engine_executors(spec, options, [r.kv for r in replicas], seed=int(cfg.seed),
-                                      clock=engine_clock(cfg))
+        executors = build_engine_executors(spec, options, [r.kv for r in replicas], seed=int(cfg.seed),
+                                           clock=engine_clock(cfg))
+        method = spec_method(cfg)
+        if method == "ngram":
+            from engine.speculative import NgramProposer
+
+            ngram = cfg.spec.get("ngram") or {}
+            for ex in executors:
+                ex.proposer = NgramProposer(check_int(ngram.get("min_n", 1), "spec.ngram.min_n", 1),
+                                            check_int(ngram.get("max_n", 3), "spec.ngram.max_n", 1))
+        elif method == "draft":
+            from engine.executor import build_draft_proposer
+
+            draft, model = draft_model_spec(cfg), None
+            for ex in executors:  # one draft model, a KV pool per replica (as large as the target's)
+                ex.proposer = build_draft_proposer(draft, ex.runner, ex.kv_manager.num_blocks,
+                                                   dtype=options.torch_dtype, seed=int(cfg.seed), model=model)
+                model = ex.proposer.runner.model
+        return executors
     raise ValueError(f"backend.name={name!r}; allowed: {list(BACKENDS)}")
 
 

@@ -47,6 +47,7 @@ from experiments.build import (
     hardware_spec,
     model_spec,
     num_kv_blocks,
+    spec_method,
 )
 from experiments.cli import user_errors
 from sim.calibration import (
@@ -68,7 +69,7 @@ from sim.calibration import (
 log = logging.getLogger(__name__)
 
 GRID_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts", "mixed_chunks",
-             "mixed_decodes", "mixed_context")
+             "mixed_decodes", "mixed_context", "verify_drafts")
 AUTO = "auto"
 AUTO_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts")
 FITS = ("linear", "roofline")
@@ -82,13 +83,14 @@ class Shape:
     """One profiled step: prefill chunks as (cached tokens, chunk tokens) and decodes as the context each attends
     to (its new token included)."""
 
-    group: str  # prefill | decode | mixed
+    group: str  # prefill | decode | mixed | verify
     label: str
     prefills: tuple[tuple[int, int], ...] = ()
     decodes: tuple[int, ...] = ()
+    drafts: int = 0  # verify: draft tokens each decode verifies (speculative decoding)
 
     def blocks(self, block_size: int) -> int:
-        return shape_blocks(self.prefills, self.decodes, block_size)
+        return shape_blocks(self.prefills, [t + self.drafts for t in self.decodes], block_size)
 
 
 @dataclass
@@ -183,12 +185,14 @@ def grid_plan(grid: Mapping[str, Any], max_model_len: int, max_num_batched_token
     shapes += [Shape("decode", f"b={b},ctx={t}", decodes=(t,) * b) for b in batches for t in contexts]
     shapes += [Shape("mixed", f"n={n},c={ctx},b={b},ctx={ctx}", prefills=((ctx, n),), decodes=(ctx,) * b)
                for n in chunks for b in mixed_dec]
+    shapes += [Shape("verify", f"b={b},ctx={t},k={k}", decodes=(t,) * b, drafts=k)
+               for k in _ints(grid, "verify_drafts", 1) for b in batches for t in contexts]
     if not shapes:
         raise ValueError("calibrate.grid describes no shapes; give prefill_lens and/or decode_batch_sizes x "
                          "decode_contexts")
     kept, notes = [], []
     for s in shapes:
-        longest = max([c + n for c, n in s.prefills] + list(s.decodes))
+        longest = max([c + n for c, n in s.prefills] + [t + s.drafts for t in s.decodes])
         if longest > max_model_len:
             notes.append(f"{s.group} {s.label}: {longest} positions > max_model_len {max_model_len}")
         elif max_blocks is not None and s.blocks(block_size) > max_blocks:
@@ -225,7 +229,8 @@ def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: 
         return max(2, min(t - mid, spec.max_model_len - (runs - 1)))
 
     bs = int(cfg.kv.block_size)
-    num_blocks = max(shape_blocks(s.prefills, [start(t) + runs - 1 for t in s.decodes], bs) for s in shapes)
+    num_blocks = max(shape_blocks(s.prefills, [start(t) + runs - 1 + s.drafts for t in s.decodes], bs)
+                     for s in shapes)
     one = OmegaConf.merge(cfg, {"replicas": 1, "kv": {"num_blocks": num_blocks}})
     replica = build_replicas(one, spec, num_blocks)[0]
     executor = build_executors(one, spec, [replica])[0]
@@ -234,7 +239,7 @@ def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: 
     features: list[StepFeatures | None] = [None] * len(shapes)
     for n, i in enumerate(np.random.default_rng(seed).permutation(len(shapes)).tolist()):
         s = shapes[i]
-        shaped = ShapedBatch(s.prefills, [start(t) for t in s.decodes], name=f"profile{i}")
+        shaped = ShapedBatch(s.prefills, [start(t) for t in s.decodes], name=f"profile{i}", num_draft_tokens=s.drafts)
         batch = shaped.admit(kv)
         for r in range(runs):  # back to back, like the consecutive steps of a run
             if r:
@@ -262,7 +267,7 @@ def _next_step(shaped: ShapedBatch, kv: Any) -> Batch:
         chunks.append(admit_chunk(kv, st, c, n))
     for st in shaped.states[k:]:
         st.output_token_ids.append(0)
-        chunks.append(admit_chunk(kv, st, st.num_computed_tokens + 1, 1))
+        chunks.append(admit_chunk(kv, st, st.num_computed_tokens + 1, 1, num_draft_tokens=shaped.num_draft_tokens))
     return Batch(chunks)
 
 
@@ -300,7 +305,13 @@ def run_steps(sources: Sequence[StepSource]) -> tuple[list[StepFeatures], np.nda
 
 def group_of(f: StepFeatures) -> str:
     pre, dec = f.num_prefill_tokens > 0, f.num_decode_seqs > 0
-    return "mixed" if pre and dec else "prefill" if pre else "decode"
+    return "mixed" if pre and dec else "prefill" if pre else "verify" if f.num_draft_tokens else "decode"
+
+
+def draft_length(cfg: DictConfig) -> int:
+    """The drafts per decode a speculation policy asks for at most (``k``, else ``max_k``; 4 if it names neither)."""
+    policy = cfg.spec.policy
+    return int(policy.get("k", policy.get("max_k", 4)))
 
 
 @dataclass
@@ -366,6 +377,8 @@ def config_grid(cfg: DictConfig) -> tuple[list[Shape], list[str], dict[str, Any]
     (``kv.num_blocks``, else what ``kv.memory_bytes`` or the hardware holds) are left out."""
     spec, sched = model_spec(cfg), cfg.scheduler
     grid = OmegaConf.to_container(cfg.calibrate.grid, resolve=True)
+    if grid.get("verify_drafts") == AUTO:  # the draft length of the run's speculative decoding; none without it
+        grid["verify_drafts"] = [draft_length(cfg)] if spec_method(cfg) else []
     limits = (spec.max_model_len, int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
     pool = num_kv_blocks(cfg, spec, hardware_spec(cfg))
     shapes, notes = grid_plan(grid, *limits, max_blocks=pool, block_size=int(cfg.kv.block_size))
@@ -396,7 +409,9 @@ def read_profile(path: str | Path) -> tuple[list[StepFeatures], list[float], lis
     with open(path, newline="") as fh:
         for line, row in enumerate(csv.DictReader(fh), start=2):
             try:
-                feats.append(StepFeatures(**{k: int(row[k]) for k in StepFeatures.names()}))
+                # num_draft_tokens came with speculative decoding: older profiles have none (0)
+                feats.append(StepFeatures(**{k: int(row[k] if k != "num_draft_tokens" else row.get(k) or 0)
+                                             for k in StepFeatures.names()}))
                 durs.append(float(row["median_s"]))
                 groups.append(row["group"])
             except (KeyError, ValueError, TypeError) as e:

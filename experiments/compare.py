@@ -203,7 +203,14 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     summary["step_bias"] = {s: step_errors(cost_model, out / s)[0].median_signed_rel_error for s in stages}
     if c.replay:
         summary["logic"] = logic_check(cfg, out / "engine", out / "replay")
-    sim = run(with_calibration(cfg, cal_path), out / "sim")
+    sim_cfg = with_calibration(cfg, cal_path)
+    if engine.get("draft_acceptance_alpha") is not None:  # speculative decoding: the engine's measured acceptance;
+        # the calibrated steps (verify shapes measured with the proposer) already include a draft model's passes
+        drafts = [f"spec.acceptance_rate={engine['draft_acceptance_alpha']!r}"]
+        drafts += ["spec.draft_cost=included"] if cfg.spec.method == "draft" else []
+        sim_cfg = apply_overrides(sim_cfg, drafts)
+        summary["draft_acceptance_alpha"] = engine["draft_acceptance_alpha"]
+    sim = run(sim_cfg, out / "sim")
     rows = percentile_errors(engine, sim, list(c.metrics), list(c.percentiles))
     summary["errors"] = rows
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -23,11 +23,11 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from core.interfaces import EvictionPolicy, Router, Scheduler, Workload
+from core.interfaces import EvictionPolicy, Router, Scheduler, SpeculationPolicy, Workload
 from sim.cost.base import CostModel
 
 GROUP_PROTOCOLS: dict[str, type] = {"workload": Workload, "scheduler": Scheduler, "eviction": EvictionPolicy,
-                                    "router": Router, "cost_model": CostModel}
+                                    "router": Router, "cost_model": CostModel, "speculation": SpeculationPolicy}
 
 
 def protocol_methods(protocol: type) -> tuple[str, ...]:

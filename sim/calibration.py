@@ -31,9 +31,9 @@ from sim.cost.roofline import RooflineCostModel
 Measurement = StepFeatures | Sequence[StepFeatures]
 
 LINEAR_TERMS = ("c0_s", "per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s", "per_kv_token_read_s",
-                "per_prefill_context_token_s")
+                "per_prefill_context_token_s", "per_draft_token_s")
 FEATURE_COLUMNS = ("steps", "num_prefill_tokens", "num_decode_seqs", "attention_pairs", "kv_tokens_read",
-                   "prefill_context_tokens")
+                   "prefill_context_tokens", "num_draft_tokens")
 ROOFLINE_TARGET = "sim.cost.roofline.RooflineCostModel"
 ROOFLINE_PARAMS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
 FITTED_ROOFLINE = ("compute_eff", "bw_eff", "overhead_s")
@@ -55,18 +55,19 @@ def shape_label(m: Measurement) -> str:
     labels = set()
     for f in steps_of(m):
         pre, dec = f.num_prefill_tokens > 0, f.num_decode_seqs > 0
-        labels.add("mixed" if pre and dec else "prefill" if pre else "decode" if dec else "empty")
+        labels.add("mixed" if pre and dec else "prefill" if pre else "empty" if not dec
+                   else "verify" if f.num_draft_tokens else "decode")
     return labels.pop() if len(labels) == 1 else "mixed"
 
 
 def feature_matrix(features: Sequence[Measurement]) -> np.ndarray:
-    """Columns [1, num_prefill_tokens, num_decode_seqs, attention_pairs, kv_tokens_read, prefill context tokens]:
-    the linear model's terms (prefill context = cached tokens the prefill chunks attend to).
+    """Columns [1, num_prefill_tokens, num_decode_seqs, attention_pairs, kv_tokens_read, prefill context tokens,
+    num_draft_tokens]: the linear model's terms (prefill context = cached tokens the prefill chunks attend to).
 
     A run of steps is the sum of its rows, so its first column counts its steps (each pays the intercept).
     """
     rows = [[sum(v) for v in zip(*((1, f.num_prefill_tokens, f.num_decode_seqs, f.attention_pairs, f.kv_tokens_read,
-                                    f.prefill_kv_tokens - f.num_prefill_tokens)
+                                    f.prefill_kv_tokens - f.num_prefill_tokens, f.num_draft_tokens)
                                    for f in steps_of(m)), strict=True)] for m in features]
     return np.array(rows, dtype=float).reshape(len(rows), len(FEATURE_COLUMNS))
 
@@ -161,9 +162,11 @@ def _nnls(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """argmin ||w * (X c - y)|| over c >= 0; columns scaled to unit max first (they span ~12 orders of magnitude)."""
     A, b = X * w[:, None], y * w
     scale = np.abs(A).max(axis=0)
-    scale[scale == 0] = 1.0
-    coef, _ = nnls(A / scale, b)
-    return coef / scale
+    used = scale > 0  # a term no step has (no drafts, no cached prefills) gets 0, not whatever NNLS leaves there
+    coef = np.zeros(X.shape[1])
+    if used.any():
+        coef[used] = nnls(A[:, used] / scale[used], b)[0] / scale[used]
+    return coef
 
 
 @dataclass(frozen=True)
@@ -326,12 +329,13 @@ def steps_from_csv(path: str | Path) -> tuple[list[StepFeatures], np.ndarray, np
     features, durations, replicas = [], [], []
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()))
+        # num_draft_tokens came with speculative decoding: recordings made before it have none (0)
+        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - {"num_draft_tokens"})
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
         for line, row in enumerate(reader, start=2):
             try:
-                features.append(StepFeatures(**{k: int(row[k]) for k in names}))
+                features.append(StepFeatures(**{k: int(row.get(k) or 0) for k in names}))
                 durations.append(float(row["duration_s"]))
                 replicas.append(int(row["replica"]))
             except ValueError as e:

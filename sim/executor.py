@@ -6,26 +6,36 @@ from core.batch import Batch, StepFeatures
 from core.fast_forward import decode_features
 from core.interfaces import BaseExecutor, DecodeRun, StepOutput
 from sim.cost.base import CostModel, DecodeCostModel
+from sim.speculative import SpeculativeModel
 
 
 class CostModelExecutor(BaseExecutor):
     """Predicts each step's duration with a cost model; measures nothing.
 
-    It predicts runs of decode steps too (``predicts_decodes``, for ``core.fast_forward``): a cost model is a pure
-    function of the step's features, and every sampled token is ``token_id``. A cost model that declares
-    ``sim.cost.base.DecodeCostModel`` prices the run vectorised; any other is called once per step (still exact).
+    It predicts runs of decode steps too (``predicts_decodes``, for ``core.fast_forward``; not with speculative
+    decoding): a cost model is a pure function of the step's features, and every sampled token is ``token_id``. A
+    cost model that declares ``sim.cost.base.DecodeCostModel`` prices the run vectorised; any other is called once
+    per step (still exact).
     """
 
-    predicts_decodes = True
-
-    def __init__(self, cost_model: CostModel, token_id: int = 0) -> None:
+    def __init__(self, cost_model: CostModel, token_id: int = 0, speculation: SpeculativeModel | None = None) -> None:
         self.cost_model = cost_model
         self.token_id = token_id  # simulated outputs carry no content; EOS never fires in the simulator
         self._vectorised = isinstance(cost_model, DecodeCostModel)
+        self.speculation = speculation  # accepted drafts and draft cost of speculative decodes
+        # a speculative decode's tokens per step are drawn, so its steps are not a predictable decode run
+        self.predicts_decodes = speculation is None
 
     def execute(self, batch: Batch) -> StepOutput:
-        n = sum(1 for ch in batch.chunks if ch.samples)
-        return StepOutput([self.token_id] * n, self.cost_model.step_time(batch.features))
+        duration = self.cost_model.step_time(batch.features)
+        if not batch.features.num_draft_tokens:
+            n = sum(1 for ch in batch.chunks if ch.samples)
+            return StepOutput([self.token_id] * n, duration)
+        spec = self.speculation
+        if spec is None:
+            raise RuntimeError("the batch verifies draft tokens but the simulator has no acceptance model (spec)")
+        counts = [1 + spec.accepted(ch.num_draft_tokens) for ch in batch.chunks if ch.samples]
+        return StepOutput([self.token_id] * sum(counts), duration + spec.draft_time(batch), counts)
 
     def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
         cm = self.cost_model

@@ -10,6 +10,8 @@ and the engine is then the cost model's error alone.
 
 from __future__ import annotations
 
+import csv
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -42,11 +44,15 @@ class ReplayExecutor(BaseExecutor):
     reproduces runs whose requests generate a fixed number of tokens (``ignore_eos``, the sim-vs-engine setting).
     """
 
-    def __init__(self, steps: Sequence[RecordedStep], replica: int = 0, token_id: int = 0) -> None:
+    def __init__(self, steps: Sequence[RecordedStep], replica: int = 0, token_id: int = 0,
+                 events: dict[str, deque[int]] | None = None) -> None:
         self.steps = list(steps)
         self.replica = replica
         self.token_id = token_id
         self.position = 0
+        # speculative decoding: each request's recorded output events (tokens per step that sampled for it), so a
+        # verify step yields the tokens it yielded when recorded; None: the recording has no drafts
+        self.events = events
 
     def execute(self, batch: Batch) -> StepOutput:
         i = self.position
@@ -60,8 +66,25 @@ class ReplayExecutor(BaseExecutor):
             raise ReplayDivergence(f"replica {self.replica} step {i}: batch differs from the recording ({detail}); "
                                    f"recorded {rec.features}, replayed {batch.features}")
         self.position = i + 1
-        n = sum(1 for ch in batch.chunks if ch.samples)
-        return StepOutput([self.token_id] * n, rec.duration_s)
+        if not batch.features.num_draft_tokens:
+            n = sum(1 for ch in batch.chunks if ch.samples)
+            if self.events is not None:
+                for ch in batch.chunks:
+                    if ch.samples:
+                        self._next_event(ch.state.id, i)
+            return StepOutput([self.token_id] * n, rec.duration_s)
+        if self.events is None:
+            raise ReplayDivergence(f"replica {self.replica} step {i}: the step verifies draft tokens; replaying it "
+                                   "needs the recording's tokens.csv (how many tokens each verify step yielded)")
+        counts = [self._next_event(ch.state.id, i) for ch in batch.chunks if ch.samples]
+        return StepOutput([self.token_id] * sum(counts), rec.duration_s, counts)
+
+    def _next_event(self, request_id: str, step: int) -> int:
+        queue = self.events.get(request_id)
+        if not queue:
+            raise ReplayDivergence(f"replica {self.replica} step {step}: request {request_id} samples more often "
+                                   "than its recorded output events")
+        return queue.popleft()
 
     @property
     def remaining(self) -> int:
@@ -88,10 +111,26 @@ def load_recording(path: str | Path) -> dict[int, list[RecordedStep]]:
     return out
 
 
+def load_events(path: str | Path) -> dict[str, deque[int]]:
+    """Per request, the token counts of its output events in order (a run directory's tokens.csv)."""
+    path = Path(path)
+    file = path / "tokens.csv" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"replay: no tokens.csv at {file} (a run with speculative decoding replays from it)")
+    out: dict[str, deque[int]] = {}
+    with open(file, newline="") as fh:
+        for row in csv.DictReader(fh):
+            out.setdefault(row["request_id"], deque()).append(int(row["num_tokens"]))
+    return out
+
+
 def replay_executors(path: str | Path, num_replicas: int, token_id: int = 0) -> list[ReplayExecutor]:
-    """One ReplayExecutor per replica from a recorded run (steps.csv rows are in step order per replica)."""
+    """One ReplayExecutor per replica from a recorded run (steps.csv rows are in step order per replica); a run
+    with speculative decoding also replays each verify step's token count from its tokens.csv."""
     rec = load_recording(path)
     extra = sorted(set(rec) - set(range(num_replicas)))
     if extra:
         raise ReplayDivergence(f"replay: the recording has steps of replicas {extra}, the config has {num_replicas}")
-    return [ReplayExecutor(rec.get(i, []), i, token_id) for i in range(num_replicas)]
+    spec = any(s.features.num_draft_tokens for steps in rec.values() for s in steps)
+    events = load_events(Path(path).parent if Path(path).name == "steps.csv" else path) if spec else None
+    return [ReplayExecutor(rec.get(i, []), i, token_id, events) for i in range(num_replicas)]

@@ -35,6 +35,7 @@ def schedule_running(view: SchedulerView, order: list[RequestState], chunks: dic
     """Give each running request in ``order`` its next chunk while budget lasts. Without ``chunked``, a
     request whose remaining tokens do not fit the budget is skipped this step. Returns the budget left."""
     running, allocate = Status.RUNNING, view.allocate  # bound once: this loop is the hot path of every step
+    draft = view.num_draft_tokens
     for state in order:
         if budget == 0:
             break
@@ -44,10 +45,15 @@ def schedule_running(view: SchedulerView, order: list[RequestState], chunks: dic
         n = remaining if remaining < budget else budget
         if not chunked and n < remaining:
             continue
+        # speculative decoding: a decode also verifies d draft tokens, 1 + d tokens of budget and KV; drafts
+        # only use free KV, never preempt another request
+        d = min(draft(state), budget - 1) if remaining == 1 and state.output_token_ids else 0
+        if d and not allocate(state, n + d):
+            d = 0
         # the common case (room already there) first, without the preemption machinery
-        if allocate(state, n) or make_room(view, state, n, chunks, victim):
-            chunks[state.id] = Chunk.next(state, n)
-            budget -= n
+        if d or allocate(state, n) or make_room(view, state, n, chunks, victim):
+            chunks[state.id] = Chunk.next(state, n, d)
+            budget -= n + d
     return budget
 
 

@@ -50,7 +50,7 @@ class PriorityScheduler:
                     return Batch(list(chunks.values()))
                 view.preempt(victim)
                 dropped = chunks.pop(victim.id, None)
-                budget += dropped.num_tokens if dropped else 0
+                budget += dropped.num_positions if dropped else 0
             chunks[state.id] = Chunk.next(state, n)
             budget -= n
         return Batch(list(chunks.values()))

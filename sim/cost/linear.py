@@ -1,5 +1,5 @@
 """Linear (fitted) step time: t = c0 + a·prefill tokens + b·decode seqs + c·attention pairs + e·KV tokens read
-+ g·cached context tokens of prefill chunks."""
++ g·cached context tokens of prefill chunks + h·draft tokens verified (speculative decoding)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class LinearCostModel:
     # per token of cached context a prefill chunk attends to (a chunk after a cached prefix or an earlier chunk
     # reads that KV; on the CPU engine it also takes the masked attention path)
     per_prefill_context_token_s: float = 0.0
+    per_draft_token_s: float = 0.0  # per draft token a speculative decode verifies (its position, the proposer's work)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -37,7 +38,8 @@ class LinearCostModel:
     def step_time(self, f: StepFeatures) -> float:
         return (self.c0_s + self.per_prefill_token_s * f.num_prefill_tokens + self.per_decode_seq_s * f.num_decode_seqs
                 + self.per_attention_pair_s * f.attention_pairs + self.per_kv_token_read_s * f.kv_tokens_read
-                + self.per_prefill_context_token_s * (f.prefill_kv_tokens - f.num_prefill_tokens))
+                + self.per_prefill_context_token_s * (f.prefill_kv_tokens - f.num_prefill_tokens)
+                + self.per_draft_token_s * f.num_draft_tokens)
 
     def decode_step_times(self, first: StepFeatures, num_steps: int) -> list[float]:
         """``step_time`` of a run of decode steps (``sim.cost.base.DecodeCostModel``): the terms in
@@ -47,6 +49,7 @@ class LinearCostModel:
                 + self.per_decode_seq_s * first.num_decode_seqs + self.per_attention_pair_s * first.attention_pairs)
         t = head + self.per_kv_token_read_s * kv
         t = t + self.per_prefill_context_token_s * (first.prefill_kv_tokens - first.num_prefill_tokens)
+        t = t + self.per_draft_token_s * first.num_draft_tokens
         return t.tolist()
 
     def to_dict(self) -> dict[str, Any]:

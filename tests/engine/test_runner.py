@@ -126,7 +126,7 @@ def test_cached_prefix_computes_only_the_suffix(tiny):
     b.num_computed_tokens = 16
     fed = []
     real_prepare = runner.prepare
-    runner.prepare = lambda batch, bt: fed.append(batch.features.num_batched_tokens) or real_prepare(batch, bt)
+    runner.prepare = lambda batch, bt, *drafts: fed.append(batch.features.num_batched_tokens) or real_prepare(batch, bt)
     run_to_completion(runner, blocks, [b], None)
     assert fed[0] == 7
     assert b.output_token_ids == hf_greedy(hf, shared + tail_b)

@@ -44,8 +44,8 @@ A100 = HardwareSpec.from_mapping(conf("hardware", "a100"))
 
 
 def mixed(pre: StepFeatures, dec: StepFeatures) -> StepFeatures:
-    return StepFeatures(*(getattr(pre, k) + getattr(dec, k) for k in StepFeatures.names()[:-1]),
-                        max(pre.max_context_len, dec.max_context_len))
+    return StepFeatures(**{k: (max if k == "max_context_len" else int.__add__)(getattr(pre, k), getattr(dec, k))
+                           for k in StepFeatures.names()})
 
 
 def random_steps(n: int, seed: int) -> list[StepFeatures]:
@@ -68,12 +68,15 @@ def noisy(y: np.ndarray, seed: int, low: float = 0.02, high: float = 0.05) -> np
 def test_feature_matrix_hand_computed():
     pre, dec = prefill_features(10, cached=4), decode_features(3, context=100)
     run = (prefill_features(8), prefill_features(8, cached=8))
-    X = feature_matrix([pre, dec, run])
-    # last column: the cached context the prefill chunks attend to
-    np.testing.assert_array_equal(X[0], [1, 10, 0, 10 * 4 + 10 * 11 // 2, 0, 4])
-    np.testing.assert_array_equal(X[1], [1, 0, 3, 0, 300, 0])
+    verify = StepFeatures(num_seqs=2, num_batched_tokens=8, num_decode_seqs=2, kv_tokens_read=2 * 104,
+                          max_context_len=104, num_draft_tokens=6)
+    X = feature_matrix([pre, dec, run, verify])
+    # the cached context the prefill chunks attend to, then the draft tokens verified
+    np.testing.assert_array_equal(X[0], [1, 10, 0, 10 * 4 + 10 * 11 // 2, 0, 4, 0])
+    np.testing.assert_array_equal(X[1], [1, 0, 3, 0, 300, 0, 0])
     # a run sums its steps: 2 intercepts, 16 tokens, pairs 36 + (64 + 36), context 0 + 8
-    np.testing.assert_array_equal(X[2], [2, 16, 0, 36 + 100, 0, 8])
+    np.testing.assert_array_equal(X[2], [2, 16, 0, 36 + 100, 0, 8, 0])
+    np.testing.assert_array_equal(X[3], [1, 0, 2, 0, 208, 0, 6])
 
 
 def test_fit_linear_recovers_coefficients_under_noise():
