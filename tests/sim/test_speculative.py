@@ -123,7 +123,7 @@ def test_speculative_runs_lose_nothing_and_leak_nothing(sched, k, alpha, num_blo
         if s.status is Status.FINISHED:
             assert s.num_output_tokens == s.request.max_new_tokens
             assert 0 <= s.num_draft_accepted <= s.num_draft_proposed
-            assert s.token_times == sorted(s.token_times)
+            assert list(s.token_times) == sorted(s.token_times)
         else:
             assert s.reason
     assert all(r.features.num_batched_tokens <= 48 for r in result.steps)
