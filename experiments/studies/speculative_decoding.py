@@ -89,8 +89,9 @@ def run(cfg: DictConfig, out: Path) -> Report:
                 b: {"speedup": _ratio(m.get("throughput_tok_s"), base[b].get("throughput_tok_s")),
                     "tpot_ratio": _ratio(_get(base[b], "tpot_s", "p50"), _get(m, "tpot_s", "p50"))}
                 for b, m in by_b.items()}
+    even = {key: (1.0, "break-even") for key, _, _ in PANELS}
     fig = plots.metric_curves(curves, PANELS, out / "speedup_vs_batch.png", "sequences decoding at once (B)",
-                              logx=True)
+                              logx=True, targets=even)
     rep.figure(fig, "Speed-up of speculative decoding over plain decoding against the batch size (1 = break-even)")
     return rep
 
