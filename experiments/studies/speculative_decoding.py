@@ -24,10 +24,10 @@ def variants(c: DictConfig) -> dict[str, list[str]]:
     s = c.study
     out: dict[str, list[str]] = {"off": ["spec=none"]}
     for a in s.alphas:
-        out[f"k={s.k} alpha={a:g}"] = [f"spec.policy.k={s.k}", f"spec.acceptance_rate={a}"]
+        out[f"k={s.k} alpha={a:g}"] = [f"spec.num_speculative_tokens={s.k}", f"spec.acceptance_rate={a}"]
     for k in s.ks:
         alpha = [f"spec.acceptance_rate={s.alpha_for_k}"] if s.alphas else []  # none: measured on the engine
-        out[f"k={k} alpha={s.alpha_for_k:g}" if s.alphas else f"k={k}"] = [f"spec.policy.k={k}", *alpha]
+        out[f"k={k} alpha={s.alpha_for_k:g}" if s.alphas else f"k={k}"] = [f"spec.num_speculative_tokens={k}", *alpha]
     return out
 
 

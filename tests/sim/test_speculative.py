@@ -145,7 +145,7 @@ def test_sim_run_with_speculation_is_reproducible_and_reports_acceptance(tmp_pat
 
 
 def test_full_acceptance_yields_k_plus_one_tokens_per_verify(tmp_path):
-    run(cfg_with("spec=ngram", "spec.acceptance_rate=1.0", "spec.policy.k=3", "workload.num_requests=5",
+    run(cfg_with("spec=ngram", "spec.acceptance_rate=1.0", "spec.num_speculative_tokens=3", "workload.num_requests=5",
                  "output.plots=false"), tmp_path)
     rows = (tmp_path / "tokens.csv").read_text().splitlines()[1:]
     events = [int(r.split(",")[-1]) for r in rows]
@@ -165,7 +165,7 @@ def test_calibration_grid_has_verify_shapes_and_the_fit_prices_drafts():
     from sim.calibration import fit_linear
     from sim.cost.base import decode_features
 
-    shapes, _, grid = config_grid(cfg_with("spec=ngram", "spec.policy.k=3", name="calibrate"))
+    shapes, _, grid = config_grid(cfg_with("spec=ngram", "spec.num_speculative_tokens=3", name="calibrate"))
     verify = [s for s in shapes if s.group == "verify"]
     assert grid["verify_drafts"] == [3] and verify and all(s.drafts == 3 for s in verify)
     assert not [s for s in config_grid(cfg_with(name="calibrate"))[0] if s.group == "verify"]  # spec off: none
@@ -184,3 +184,16 @@ def test_calibration_grid_has_verify_shapes_and_the_fit_prices_drafts():
     model, rep = fit_linear(steps, y)
     assert model.per_draft_token_s == pytest.approx(5e-4, rel=1e-6)
     assert set(rep.groups) == {"decode", "verify"}
+
+
+def test_policies_are_a_config_group_and_k_one_key(tmp_path):
+    m = run(cfg_with("spec=ngram", "spec/policy=adaptive", "workload.num_requests=8", "output.plots=false"),
+            tmp_path / "adaptive")
+    assert m["draft_tokens_proposed"] > 0
+    cfg = cfg_with("spec=ngram", "spec.num_speculative_tokens=2")
+    assert cfg.spec.policy.k == 2
+    m = run(cfg, tmp_path / "k2")
+    rows = (tmp_path / "k2" / "steps.csv").read_text().splitlines()
+    col = rows[0].split(",").index("num_draft_tokens")
+    seqs = rows[0].split(",").index("num_decode_seqs")
+    assert all(int(r.split(",")[col]) <= 2 * int(r.split(",")[seqs]) for r in rows[1:])
