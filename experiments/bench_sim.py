@@ -10,9 +10,10 @@ Goal (issue 13): >= 60x real time for ``process_csv`` on the first 3,000 request
 seconds are the run's own (timing.json: ``wall_s`` x ``sim_s_per_wall_s``), its wall seconds the whole
 subprocess's; ``cpu_s`` is the child's user + system CPU time (robust on a shared, noisy machine).
 
-More cases: add a ``Case`` to ``CASES`` (its ``overrides`` go after the common ones, e.g. a decode fast-forward
-switch); ``--cases`` picks some, ``--full`` runs the whole trace (19,366 requests) instead of ``--limit``.
-Usage: python -m experiments.bench_sim [--limit 3000 | --full] [--cases loop process_csv] [--out DIR]
+``loop_per_step`` / ``process_csv_per_step``: the same with decode fast-forward off; the run prints the
+fast-forward speed-up and whether the two modes' files are byte-identical. More cases: add a ``Case`` to ``CASES``;
+``--cases`` picks some; ``--full`` runs the whole trace (19,366 requests) after ``--limit``, ``--only-full`` it alone.
+Usage: python -m experiments.bench_sim [--limit 3000] [--full | --only-full] [--cases loop process_csv] [--out DIR]
 """
 
 from __future__ import annotations
@@ -95,19 +96,18 @@ def run_process(overrides: list[str], out_dir: Path) -> dict:
             "loop_wall_s": timing["wall_s"], "bytes_written": written}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--limit", type=int, default=3000, help="first N requests of the trace (default 3000)")
-    p.add_argument("--full", action="store_true", help="the whole trace (19,366 requests) instead of --limit")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--cases", nargs="+", choices=[c.name for c in CASES], default=[c.name for c in CASES])
-    p.add_argument("--out", default=None, help="directory for the process cases' run directories (default: temp)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every case (key=value)")
-    args = p.parse_args(argv)
-    limit = None if args.full else args.limit
-    out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_sim-"))
+EQUAL_FILES = ("requests.csv", "tokens.csv", "steps.csv", "metrics.json")
+
+
+def same_outputs(a: Path, b: Path) -> dict[str, bool]:
+    """File by file: are two run directories byte-identical (the fast-forward equivalence check)?"""
+    return {n: (a / n).read_bytes() == (b / n).read_bytes() for n in EQUAL_FILES}
+
+
+def bench(limit: int | None, args: argparse.Namespace, out_root: Path) -> dict:
+    """Every selected case at one trace size; the fast-forward ratios and equivalence when both modes ran."""
     results: dict[str, dict] = {}
+    label = "full trace" if limit is None else f"first {limit} requests"
     for case in CASES:
         if case.name not in args.cases:
             continue
@@ -116,14 +116,44 @@ def main(argv: list[str] | None = None) -> dict:
         r["sim_s_per_wall_s"] = r["simulated_s"] / r["wall_s"]
         r["sim_s_per_cpu_s"] = r["simulated_s"] / r["cpu_s"] if r["cpu_s"] > 0 else None
         results[case.name] = r
-        print(f"{case.name:22s} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in r.items()), flush=True)
-    out = {"limit": limit, "replicas": args.replicas, "cases": results}
+        print(f"[{label}] {case.name:22s} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                       for k, v in r.items()), flush=True)
+    out: dict = {"limit": limit, "replicas": args.replicas, "cases": results}
     if "loop" in results:  # the loop's figures at the top level (the `pytest -m bench` test reads them)
         out.update({k: results["loop"][k] for k in ("requests", "steps", "sim_s_per_wall_s", "sim_s_per_cpu_s")})
     if "process_csv" in results:
         out["process_sim_s_per_wall_s"] = results["process_csv"]["sim_s_per_wall_s"]
-        print(f"whole process, default outputs: {out['process_sim_s_per_wall_s']:.1f}x real time (goal >= 60x)")
+        print(f"[{label}] whole process, default outputs: {out['process_sim_s_per_wall_s']:.1f}x real time "
+              "(goal >= 60x at 3,000 requests, >= 100x on the full trace)")
+    for fast, slow in (("loop", "loop_per_step"), ("process_csv", "process_csv_per_step")):
+        if fast in results and slow in results:
+            ratio = results[fast]["sim_s_per_wall_s"] / results[slow]["sim_s_per_wall_s"]
+            out[f"{fast}_fast_forward_speedup"] = ratio
+            print(f"[{label}] {fast}: fast-forward {results[fast]['sim_s_per_wall_s']:.1f}x real time, per step "
+                  f"{results[slow]['sim_s_per_wall_s']:.1f}x: {ratio:.2f}x faster")
+    if "process_csv" in results and "process_csv_per_step" in results:
+        same = same_outputs(out_root / "process_csv", out_root / "process_csv_per_step")
+        out["fast_forward_identical"] = all(same.values())
+        print(f"[{label}] fast-forward vs per-step files: "
+              + ("byte-identical" if out["fast_forward_identical"] else f"DIFFER {same}"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--limit", type=int, default=3000, help="first N requests of the trace (default 3000)")
+    p.add_argument("--full", action="store_true", help="also the whole trace (19,366 requests), after --limit")
+    p.add_argument("--only-full", action="store_true", help="the whole trace only")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--cases", nargs="+", choices=[c.name for c in CASES], default=[c.name for c in CASES])
+    p.add_argument("--out", default=None, help="directory for the process cases' run directories (default: temp)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every case (key=value)")
+    args = p.parse_args(argv)
+    sizes = [None] if args.only_full else [args.limit, None] if args.full else [args.limit]
+    out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_sim-"))
+    runs = [bench(n, args, out_root / ("full" if n is None else str(n))) for n in sizes]
+    out = runs[0] if len(runs) == 1 else {"sizes": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return out
