@@ -205,15 +205,16 @@ class Replica:
             if not 1 <= n <= 1 + ch.num_draft_tokens or pos + n > len(tokens):
                 raise RuntimeError(f"executor returned {n} tokens for request {state.id} "
                                    f"({ch.num_draft_tokens} drafts; {len(tokens)} tokens in all)")
-            new, pos = tokens[pos:pos + n], pos + n
-            if ch.num_draft_tokens:
-                state.num_draft_proposed += ch.num_draft_tokens
+            drafts = ch.num_draft_tokens
+            if drafts:
+                state.num_draft_proposed += drafts
                 state.num_draft_accepted += n - 1
-                state.num_draft_rejections += n <= ch.num_draft_tokens
+                state.num_draft_rejections += n <= drafts
                 state.num_computed_tokens = ch.end + n - 1  # the accepted drafts' KV is in the cache
-            if self._append(state, new, end_s):
+            if self._append(state, tokens, pos, n, end_s):
                 finished = True
-            if ch.num_draft_tokens:
+            pos += n
+            if drafts:
                 self.kv.trim(state, state.num_computed_tokens)  # blocks that held only rejected drafts
         if pos != len(tokens) or (counts is not None and next(counts, None) is not None):
             raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples {pos}")
@@ -224,11 +225,12 @@ class Replica:
                 self._end(state, Status.FINISHED, end_s)
 
     @staticmethod
-    def _append(state: RequestState, new: list[int], end_s: float) -> bool:
-        """Append sampled tokens until a stop condition; True when the request finished (tokens after the stop
-        are dropped, as a verified draft past EOS is)."""
+    def _append(state: RequestState, tokens: list[int], start: int, n: int, end_s: float) -> bool:
+        """Append ``tokens[start:start + n]`` until a stop condition; True when the request finished (tokens
+        after the stop are dropped, as a verified draft past EOS is)."""
         out, stop, req = state.output_token_ids, state.stop_token_ids, state.request
-        for tok in new:
+        for i in range(start, start + n):
+            tok = tokens[i]
             state.add_token(tok, end_s)  # output id, token time, first_token_s
             n = len(out)
             # a stop token (EOS unless ignored, or a stop id) counts after min_tokens others
