@@ -8,8 +8,6 @@ can be shared by executors using either backend.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,21 +31,26 @@ _ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 
 
-_PACKED: dict[int, tuple] = {}  # id(weight) -> ((data_ptr, version), packed copy); dropped with the weight
+class CpuLinear:
+    """F.linear, or on CPU with enough rows a oneDNN-packed copy of the fp32 weight, kept here (one per layer: no
+    process-wide cache) and remade when the weight changes (its data pointer or version counter)."""
 
+    __slots__ = ("key", "packed")
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or on CPU with enough rows the weight's oneDNN-packed copy (made on first use, remade when the
-    weight changes: its data pointer or version counter)."""
-    if x.device.type != "cpu" or x.shape[0] < PACKED_MIN_ROWS or not _ONEDNN or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    key = (weight.data_ptr(), weight._version)
-    packed = _PACKED.get(id(weight))
-    if packed is None or packed[0] != key:
-        if packed is None:
-            weakref.finalize(weight, _PACKED.pop, id(weight), None)
-        packed = _PACKED[id(weight)] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
-    return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.packed: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> CpuLinear:
+        return CpuLinear()  # a cache of the weight: a copied model packs its own (a oneDNN tensor cannot be copied)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type != "cpu" or x.shape[0] < PACKED_MIN_ROWS or not _ONEDNN or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), weight._version)
+        if key != self.key:
+            self.key, self.packed = key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -70,15 +73,17 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = _linear_weight(out_features, in_features, dtype, device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.qweight: QuantizedWeight | None = None
+        self.matmul = CpuLinear()
 
     def quantize(self, group_size: int, zero_point: bool = True) -> None:
         self.qweight = quantize_w4(self.weight.data, group_size, zero_point)
         self.weight = None  # free the 16-bit copy
+        self.matmul = CpuLinear()  # and any packed copy of it
 
     def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
         if self.qweight is not None:
             return kernels.w4a16_linear(x, self.qweight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -178,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(spec, self.dtype, device)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False,
                                                                      self.dtype, device)
+        self.logits_matmul = CpuLinear()  # the LM head (or the tied embedding) as a GEMM
         # cos/sin rounded to the model dtype, as HF casts them before rotating
         self.register_buffer("cos_sin", rope_cos_sin(spec.head_dim, spec.max_model_len, spec.rope_theta,
                                                      spec.rope_scaling, self.dtype, device), persistent=False)
@@ -201,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised)."""
-        return linear(hidden, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return self.logits_matmul(hidden,
+                                  self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def quantize(self, group_size: int = 128, zero_point: bool = True) -> None:
         """W4A16: replace every projection in the decoder layers by a group-wise 4-bit weight."""

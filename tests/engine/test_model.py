@@ -134,11 +134,12 @@ def test_packed_cpu_linear_matches_f_linear():
     memory layout of the weight gives F.linear's result."""
     import torch.nn.functional as F
 
-    from engine.model import PACKED_MIN_ROWS, linear
+    from engine.model import PACKED_MIN_ROWS, CpuLinear
 
     g = torch.Generator().manual_seed(0)
     x, bias = torch.randn(PACKED_MIN_ROWS + 2, 64, generator=g), torch.randn(300, generator=g)
     for w in (torch.randn(300, 64, generator=g), torch.randn(64, 300, generator=g).t()):
+        linear = CpuLinear()  # one per weight, as each layer holds its own
         torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
         w.mul_(2)  # in place: the version counter moves, the packed copy is remade
         torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
