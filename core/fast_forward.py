@@ -15,7 +15,7 @@ tokens. A ``DecodeRun`` then stands for those steps:
   needs them: when the run ends, and when a router reads the replica (``Replica.view``).
 
 The run still takes one clock event per step, created when the per-step loop would create it, and appends one
-``StepRecord`` per step when that event fires (a simulated clock calls ``DecodeRun.advance`` from its event loop,
+step record per step when that event fires (a simulated clock calls ``DecodeRun.advance`` from its event loop,
 ``core.loop.Decodes``; another clock gets one ``Sleep`` per step): the clock's order of events -- between replicas
 whose steps end at the same float time, between a step and an arrival -- stays exactly the per-step order, so
 steps.csv, every router decision and every closed-loop follow-up are byte-identical to a per-step run. What a step
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from core.batch import StepFeatures
 from core.interfaces import Executor
-from core.records import StepRecord
+from core.records import StepLog
 from core.request import RequestState
 
 if TYPE_CHECKING:
@@ -62,38 +62,11 @@ def decode_features(first: StepFeatures, m: int) -> StepFeatures:
     return StepFeatures(n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m, 0)
 
 
-# One StepFeatures and one StepRecord per fast-forwarded step are most of what such a step costs, and a frozen
-# dataclass's __init__ (object.__setattr__ per field) is several times slower than setting its slots directly. These
-# two build the very same objects (same class, same field values: equal, same rows) through the slot descriptors;
-# the field lists are checked here, so a changed dataclass fails at import instead of building wrong objects.
-_FEATURE_FIELDS = ("num_seqs", "num_batched_tokens", "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs",
-                   "attention_pairs", "kv_tokens_read", "prefill_kv_tokens", "max_context_len", "num_draft_tokens")
-_RECORD_FIELDS = ("replica", "start_s", "duration_s", "features", "kv_blocks_used", "num_preempted")
-if StepFeatures.names() != _FEATURE_FIELDS or tuple(StepRecord.__dataclass_fields__) != _RECORD_FIELDS:
-    raise ImportError("core.fast_forward: StepFeatures / StepRecord fields changed; update _decode_step")
-_f_seqs, _f_tokens, _f_pseqs, _f_ptokens, _f_dseqs, _f_pairs, _f_kv, _f_pkv, _f_ctx, _f_drafts = (
-    StepFeatures.__dict__[k].__set__ for k in _FEATURE_FIELDS)
-_r_replica, _r_start, _r_duration, _r_features, _r_blocks, _r_preempted = (
-    StepRecord.__dict__[k].__set__ for k in _RECORD_FIELDS)
-_new = object.__new__
-
-
-def _decode_step(replica: int, start: float, duration: float, n: int, kv: int, ctx: int, blocks: int) -> StepRecord:
-    """``StepRecord(replica, start, duration, StepFeatures(n, n, 0, 0, n, 0, kv, 0, ctx, 0), blocks, 0)``, faster."""
-    f = _new(StepFeatures)
-    _f_seqs(f, n), _f_tokens(f, n), _f_pseqs(f, 0), _f_ptokens(f, 0), _f_dseqs(f, n), _f_pairs(f, 0)
-    _f_kv(f, kv), _f_pkv(f, 0), _f_ctx(f, ctx), _f_drafts(f, 0)
-    r = _new(StepRecord)
-    _r_replica(r, replica), _r_start(r, start), _r_duration(r, duration), _r_features(r, f), _r_blocks(r, blocks)
-    _r_preempted(r, 0)
-    return r
-
-
 class DecodeRun:
     """Steps of a replica in steady decode, from the moment a step was applied after which every running request
     decodes, in the scheduler's ``order`` (see the module docstring). ``core.loop`` drives it: ``start(now)``
     before each step (its duration, or None: the run ends), ``done(...)`` when the step's clock event fires (its
-    StepRecord); ``Replica.end_decode_run`` ends it."""
+    step record); ``Replica.end_decode_run`` ends it."""
 
     __slots__ = ("replica", "states", "first", "executor", "kv", "waiting", "waiting_len", "waiting_last",
                  "timeout", "min_arrival", "limit", "token", "durations", "ends", "synced", "m", "used_blocks",
@@ -128,8 +101,8 @@ class DecodeRun:
         self._next_alloc = self._allocs[0][0] if self._allocs else limit
         self.used_blocks = self.kv.num_used_blocks  # changes only by this run's allocations while it lasts
 
-    def begin(self, index: int, steps: list[StepRecord], now: float) -> float | None:
-        """Start the run at clock ``now`` on replica ``index``, its StepRecords going to ``steps``: the first step's
+    def begin(self, index: int, steps: StepLog, now: float) -> float | None:
+        """Start the run at clock ``now`` on replica ``index``, its steps going to ``steps``: the first step's
         duration, or None (the run does not even start)."""
         self.index, self.steps = index, steps
         self.step_start, self.step_duration = now, self.start(now)
@@ -138,7 +111,7 @@ class DecodeRun:
     def advance(self, end: float) -> float | None:
         """The current step ended at clock ``end``: record it and start the next; its duration, or None: the run
         is over (the replica goes back to schedule / execute / apply at this very moment)."""
-        self.steps.append(self.done(self.index, self.step_start, self.step_duration, end))
+        self.done(self.index, self.step_start, self.step_duration, end)
         self.step_start, self.step_duration = end, self.start(end)
         return self.step_duration
 
@@ -182,14 +155,16 @@ class DecodeRun:
         self._next_alloc = allocs[0][0] if allocs else self.limit
         return True
 
-    def done(self, replica: int, start: float, duration: float, end: float) -> StepRecord:
-        """The step started last (at ``start``, lasting ``duration``) ended at clock ``end``: its StepRecord."""
+    def done(self, replica: int, start: float, duration: float, end: float) -> None:
+        """The step started last (at ``start``, lasting ``duration``) ended at clock ``end``: record it (its values
+        straight into the step log: no StepRecord or StepFeatures object per fast-forwarded step)."""
         m = self.m - 1  # the step started last
         self.ends.append(end)
         first = self.first
         n = first.num_seqs
-        return _decode_step(replica, start, duration, n, first.kv_tokens_read + m * n, first.max_context_len + m,
-                            self.used_blocks)
+        self.steps.add(replica, start, duration,
+                       (n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m, 0),
+                       self.used_blocks, 0)
 
     def sync(self) -> None:
         """Put the tokens of the completed steps into the request states (bulk append)."""

@@ -18,7 +18,7 @@ declares all it uses.
 Decode fast-forward (``core.fast_forward``): after a step that leaves every running request in decode, where the
 executor ``predicts_decodes`` (the simulator's cost model), the scheduler declares ``SteadyDecodeScheduler`` and
 nobody listens to steps, the replica's next identical decode steps run without schedule / execute / apply -- still
-one ``Sleep`` and one ``StepRecord`` each, so the clock's event order and every output stay the per-step run's.
+one ``Sleep`` and one step record each, so the clock's event order and every output stay the per-step run's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 from core.batch import Batch
 from core.fast_forward import DecodeRun
 from core.interfaces import Executor, Router, Workload
-from core.records import StepRecord
+from core.records import StepLog, StepRecord, feature_values
 from core.replica import Replica
 from core.request import Request, RequestState
 
@@ -100,7 +100,7 @@ class DecodeClock(Clock, Protocol):
 @dataclass
 class RunResult:
     states: list[RequestState]
-    steps: list[StepRecord]
+    steps: Sequence[StepRecord]  # a StepLog from a loop
     end_s: float  # clock time of the last event
     wall_s: float  # wall-clock seconds the run took
     batches: list[Batch] = field(default_factory=list)  # filled only with keep_batches=True
@@ -138,7 +138,7 @@ class ServingLoop:
         # simulation of a measured server adds it; arrival times (and so TTFT) stay the client's.
         self.frontend_delay_s = frontend_delay_s
         self.states: list[RequestState] = []
-        self.steps: list[StepRecord] = []
+        self.steps = StepLog()  # column store: a long trace keeps millions of steps
         self.batches: list[Batch] = []
         self.on_step: list[StepListener] = []
         self.on_terminal: list[TerminalListener] = []
@@ -217,19 +217,21 @@ class ServingLoop:
             duration = out.duration_s + sched_s
             yield Sleep(duration, start)
             replica.apply(batch, out.tokens, clock.now, out.num_tokens)
-            record = StepRecord(i, start, duration, batch.features, replica.kv.num_used_blocks, len(batch.preempted))
-            self.steps.append(record)
+            self.steps.add(i, start, duration, feature_values(batch.features), replica.kv.num_used_blocks,
+                           len(batch.preempted))
             if self.keep_batches:
                 self.batches.append(batch)
-            for listener in self.on_step:
-                listener(i, batch, record)
+            if self.on_step:
+                record = self.steps[-1]
+                for listener in self.on_step:
+                    listener(i, batch, record)
             if fast and not self.on_step and not self.keep_batches:
                 run = replica.start_decode_run(executor, clock.now)
                 if run is not None:
                     yield from self._decode_run(i, replica, run)
 
     def _decode_run(self, i: int, replica: Replica, run: DecodeRun) -> Process:
-        """Fast-forwarded steps of replica ``i`` (``core.fast_forward``): one clock event and one StepRecord per
+        """Fast-forwarded steps of replica ``i`` (``core.fast_forward``): one clock event and one step record per
         step, exactly where the per-step loop has them, but no schedule / execute / apply."""
         clock = self.clock
         try:

@@ -45,7 +45,7 @@ import numpy as np
 from core.batch import StepFeatures
 from core.checks import check_choice
 from core.metrics import float_times, output_events, request_metrics
-from core.records import StepRecord
+from core.records import StepLog, StepRecord
 from core.request import RequestState
 
 REQUEST_COLUMNS = ("id", "replica", "tenant", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
@@ -153,6 +153,8 @@ def token_columns(states: Sequence[RequestState]) -> list[Column]:
 
 def step_columns(steps: Sequence[StepRecord]) -> list[Column]:
     """steps.csv's columns (``StepRecord.columns()``: the record's fields, its features spread out)."""
+    if isinstance(steps, StepLog):  # a run's own column store
+        return steps.columns()
     feats = set(StepFeatures.names())
     return [list(map(attrgetter(f"features.{c}" if c in feats else c), steps)) for c in StepRecord.columns()]
 

@@ -182,3 +182,22 @@ def test_a_snapshot_is_partial_until_the_complete_write(tmp_path):
     assert _names(tmp_path) == {"requests.csv", "tokens.csv", "steps.csv", "metrics.json"}
     with pytest.raises(ValueError, match="run_status"):
         write_run(tmp_path, states, _steps(), {}, run_status="done")
+
+
+def test_step_log_keeps_records_exactly_and_writes_what_a_list_writes(tmp_path):
+    """The loop's column store gives back equal StepRecords (the clock's int 0 start included) and the same
+    steps.csv bytes as a list of the records."""
+    from core.batch import StepFeatures
+    from core.output import write_run
+    from core.records import StepLog, StepRecord
+
+    recs = [StepRecord(0, 0, 0.1, StepFeatures(2, 9, 1, 8, 1, 40, 17, 8, 16, 0), 3, 0),
+            StepRecord(1, 0.1, 1e-3, StepFeatures(1, 5, 0, 0, 1, 0, 2**40, 0, 2**40, 4), 7, 1)]
+    log = StepLog(recs)
+    assert list(log) == recs and log[-1] == recs[-1] and log[0:1] == recs[:1] and len(log) == 2
+    assert type(log[0].start_s) is int
+    with pytest.raises(IndexError):
+        log[2]
+    write_run(tmp_path / "a", [], recs, {"x": 1})
+    write_run(tmp_path / "b", [], log, {"x": 1})
+    assert (tmp_path / "a" / "steps.csv").read_bytes() == (tmp_path / "b" / "steps.csv").read_bytes()
