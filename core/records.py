@@ -8,6 +8,8 @@ from dataclasses import astuple, dataclass
 from operator import attrgetter
 from typing import overload
 
+import numpy as np
+
 from core.batch import StepFeatures
 
 
@@ -88,6 +90,8 @@ class StepLog(Sequence[StepRecord]):
     def __iter__(self) -> Iterator[StepRecord]:
         return (self._record(i) for i in range(len(self)))
 
-    def columns(self) -> list[list]:
-        """steps.csv's columns (``StepRecord.columns()`` order) as lists of ints and floats."""
-        return [list(self._cols[c]) if c in FLOAT_COLUMNS else self._cols[c].tolist() for c in StepRecord.columns()]
+    def columns(self) -> list[list | np.ndarray]:
+        """steps.csv's columns (``StepRecord.columns()`` order): the times as lists, the rest as int64 arrays (a
+        copy: no Python int per value, and the log stays appendable)."""
+        return [list(self._cols[c]) if c in FLOAT_COLUMNS else np.frombuffer(self._cols[c], dtype=np.int64).copy()
+                for c in StepRecord.columns()]
