@@ -135,9 +135,10 @@ class LoopThread:
         for ch in batch.chunks:
             if ch.samples:
                 stream = self.streams.get(ch.state.id)
-                if stream is not None:
-                    out.append((stream.queue, TokenEvent(ch.state.output_token_ids[-1], now)))
-                    stream.delivered += 1
+                if stream is not None:  # one token, or several when the step verified drafts
+                    tokens = ch.state.output_token_ids
+                    out += [(stream.queue, TokenEvent(t, now)) for t in tokens[stream.delivered:]]
+                    stream.delivered = len(tokens)
         self._refresh()  # before the tokens go out: a client that sees a token sees the load it came with
         if out:
             self.aio.call_soon_threadsafe(_deliver, out)

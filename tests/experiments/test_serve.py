@@ -248,3 +248,25 @@ def test_loadgen_agrees_with_the_servers_own_records(ckpt, tmp_path):
     client_span = total_gap(tmp_path / "client" / "tokens.csv")
     diffs = sorted(abs(client_span[i] - server_span[i]) for i in server_span)
     assert diffs[len(diffs) // 2] < 0.03, diffs  # first-to-last token span: the decode timeline seen by both
+
+
+def test_a_speculative_server_streams_every_accepted_token(ckpt, tmp_path):
+    """With n-gram drafts a step can yield several tokens per request: the stream carries all of them, in order,
+    and greedy outputs equal the plain offline run's."""
+    ps = prompts(4, seed=7)
+    want = offline(ckpt, ps, 16)
+    s = Server(ckpt, tmp_path / "serve", "kv.num_blocks=256", "spec=ngram")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        for p, expected in zip(ps, want, strict=True):
+            ids = []
+            for chunk in client.completions.create(model=str(ckpt), prompt=p, max_tokens=16, temperature=0,
+                                                   stream=True,
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):
+                if chunk.choices:
+                    ids += chunk.choices[0].model_extra.get("token_ids") or []
+            assert ids == expected
+    finally:
+        s.stop()
+    metrics = json.loads((tmp_path / "serve" / "metrics.json").read_text())
+    assert metrics["draft_tokens_accepted"] > 0  # some steps did yield several tokens
