@@ -60,12 +60,15 @@ class ServerMetrics:
         for ch in batch.chunks:
             if not ch.samples:
                 continue
-            n += 1
             times = ch.state.token_times
-            if len(times) == 1:
+            k = 1  # tokens this step added: one, or several when it verified drafts (an event of k tokens)
+            while k < len(times) and times[-k - 1] == times[-1]:
+                k += 1
+            n += k
+            if len(times) == k:
                 self.ttft.observe(times[0] - ch.state.request.arrival_s)
-            else:
-                self.itl.observe(times[-1] - times[-2])
+            else:  # inter-token latency between output events, as metrics.json's itl_s
+                self.itl.observe(times[-1] - times[-k - 1])
         if n:
             self.generation_tokens.inc(n)
         if record.num_preempted:

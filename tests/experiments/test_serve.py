@@ -266,6 +266,9 @@ def test_a_speculative_server_streams_every_accepted_token(ckpt, tmp_path):
                 if chunk.choices:
                     ids += chunk.choices[0].model_extra.get("token_ids") or []
             assert ids == expected
+        status, text = s.get("/metrics")
+        generated = [ln for ln in text.splitlines() if ln.startswith("twinserve:generation_tokens_total")]
+        assert status == 200 and float(generated[0].rsplit(" ", 1)[1]) == 4 * 16  # every token counted once
     finally:
         s.stop()
     metrics = json.loads((tmp_path / "serve" / "metrics.json").read_text())
