@@ -10,7 +10,6 @@ and the engine is then the cost model's error alone.
 
 from __future__ import annotations
 
-import csv
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from core.batch import Batch, StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
+from core.output import read_tokens
 from sim.calibration import steps_from_csv
 
 
@@ -112,15 +112,15 @@ def load_recording(path: str | Path) -> dict[int, list[RecordedStep]]:
 
 
 def load_events(path: str | Path) -> dict[str, deque[int]]:
-    """Per request, the token counts of its output events in order (a run directory's tokens.csv)."""
-    path = Path(path)
-    file = path / "tokens.csv" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"replay: no tokens.csv at {file} (a run with speculative decoding replays from it)")
+    """Per request, the token counts of its output events in order (a run directory's tokens file, CSV or
+    Parquet, through ``core.output.read_tokens``)."""
+    try:
+        cols = read_tokens(path)
+    except FileNotFoundError as e:
+        raise ValueError(f"replay: {e} (a run with speculative decoding replays its token counts from it)") from None
     out: dict[str, deque[int]] = {}
-    with open(file, newline="") as fh:
-        for row in csv.DictReader(fh):
-            out.setdefault(row["request_id"], deque()).append(int(row["num_tokens"]))
+    for rid, n in zip(cols["request_id"].tolist(), cols["num_tokens"].tolist(), strict=True):
+        out.setdefault(rid, deque()).append(int(n))
     return out
 
 
@@ -132,5 +132,5 @@ def replay_executors(path: str | Path, num_replicas: int, token_id: int = 0) -> 
     if extra:
         raise ReplayDivergence(f"replay: the recording has steps of replicas {extra}, the config has {num_replicas}")
     spec = any(s.features.num_draft_tokens for steps in rec.values() for s in steps)
-    events = load_events(Path(path).parent if Path(path).name == "steps.csv" else path) if spec else None
+    events = load_events(Path(path).parent if Path(path).is_file() else path) if spec else None
     return [ReplayExecutor(rec.get(i, []), i, token_id, events) for i in range(num_replicas)]

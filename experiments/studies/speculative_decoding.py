@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments import plots
-from experiments.studies.common import Report, backends, fmt, run_variants, slug
+from experiments.studies.common import Report, backends, fmt, get, run_variants, slug
 
 PANELS = [("speedup", "throughput speed-up (x)", 1.0), ("tpot_ratio", "TPOT p50 speed-up (x)", 1.0)]
 
@@ -87,18 +87,13 @@ def run(cfg: DictConfig, out: Path) -> Report:
             base = by_v["off"]
             curves[v if backend == "sim" else f"{v} ({backend})"] = {
                 b: {"speedup": _ratio(m.get("throughput_tok_s"), base[b].get("throughput_tok_s")),
-                    "tpot_ratio": _ratio(_get(base[b], "tpot_s", "p50"), _get(m, "tpot_s", "p50"))}
+                    "tpot_ratio": _ratio(get(base[b], "tpot_s.p50"), get(m, "tpot_s.p50"))}
                 for b, m in by_b.items()}
     even = {key: (1.0, "break-even") for key, _, _ in PANELS}
     fig = plots.metric_curves(curves, PANELS, out / "speedup_vs_batch.png", "sequences decoding at once (B)",
                               logx=True, targets=even)
     rep.figure(fig, "Speed-up of speculative decoding over plain decoding against the batch size (1 = break-even)")
     return rep
-
-
-def _get(m: dict, key: str, p: str) -> float | None:
-    v = m.get(key)
-    return v.get(p) if isinstance(v, dict) else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
