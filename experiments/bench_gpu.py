@@ -282,9 +282,20 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kernels = kernel_rows(spec, device, dtype, args.reps, args.quick, hw)
+    def show(rows: list[dict]) -> list[dict]:
+        """Print each section as soon as it is measured: a run stopped by a time limit still shows what it had."""
+        for r in rows:
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+        return rows
+
+    kernels = show(kernel_rows(spec, device, dtype, args.reps, args.quick, hw))
     steps, records = step_rows(spec, hw, args.device, args.kernels, dtype, args.reps, args.quick)
-    quant = quant_rows(spec, hw, args, dtype, steps) if args.quant else []
+    show(steps)
+    with open(out / "steps.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(StepRecord.columns())
+        w.writerows(r.row() for r in records)
+    quant = show(quant_rows(spec, hw, args, dtype, steps)) if args.quant else []
     result = {"model": spec.name, "hardware": hw.name, "device": torch.cuda.get_device_name() if device.type == "cuda"
               else "cpu", "kernels_backend": args.kernels, "dtype": args.dtype, "kernels": kernels, "steps": steps,
               "quant": quant}
@@ -293,14 +304,6 @@ def main(argv: list[str] | None = None) -> dict:
         w = csv.DictWriter(f, fieldnames=sorted({k for r in kernels for k in r}, key=lambda k: (k != "op", k)))
         w.writeheader()
         w.writerows(kernels)
-    with open(out / "steps.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(StepRecord.columns())
-        w.writerows(r.row() for r in records)
-    for r in kernels:
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    for r in steps + quant:
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     print(f"wrote {out}")
     return result
 

@@ -157,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         sec["seconds"] = time.perf_counter() - s0
         report["sections"][name] = sec
         print(f"gpu-check: {name} {sec['status']} ({sec['seconds']:.0f} s)", flush=True)
-    tests = report["sections"]["tests"]
-    tests_ok = tests["status"] == "ok" and tests["result"]["returncode"] == 0
-    report["ok"] = tests_ok and all(s["status"] == "ok" for s in report["sections"].values())
-    report["seconds"] = time.perf_counter() - t0
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "report.md").write_text(markdown(report))
+        # Written after every section: a check stopped by an outer time limit still leaves what it measured.
+        tests = report["sections"]["tests"]
+        tests_ok = tests["status"] == "ok" and tests["result"]["returncode"] == 0
+        report["ok"] = tests_ok and all(s["status"] == "ok" for s in report["sections"].values())
+        report["seconds"] = time.perf_counter() - t0
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "report.md").write_text(markdown(report))
     print(f"gpu-check: {'PASS' if report['ok'] else 'FAIL'}; report in {out / 'report.md'}")
     return 0 if report["ok"] else 1
 
