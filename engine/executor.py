@@ -74,8 +74,9 @@ class EngineExecutor(BaseExecutor):
         """A request's prompt + outputs so far (what a proposer drafts from)."""
         return self.runner.tokens_of(chunk.state)
 
-    def warmup(self, steps: int = 2, prompt_len: int = 32) -> None:
-        """Untimed prefill + decode passes (allocator, kernel and thread-pool warm-up) before a measured run: one
+    def warmup(self, steps: int = 2, cuda_graphs: bool = False, prompt_len: int = 32) -> None:
+        """Untimed prefill + decode passes (allocator, kernel and thread-pool warm-up) before a measured run, then
+        (``cuda_graphs``, on CUDA with the triton kernels) the decode graphs' capture. The passes: one
         request's whole prompt, then its decodes. Its blocks come from a scratch KV manager over the first blocks of
         the KV tensors (they hold nothing yet), admitted as a replica admits (core.shapes.admit_chunk); the replica's
         KV manager is not touched, so no block stays held there and its free list keeps its order."""
@@ -97,6 +98,8 @@ class EngineExecutor(BaseExecutor):
             computed = chunk.end
         self.release(state.id)
         self.runner.warmup_kernels()
+        if cuda_graphs and self.runner.can_capture_graphs:
+            self.runner.capture_graphs()
 
     def release(self, request_id: str) -> None:
         """Call when a request reaches a terminal status (drops its cached prompt tokens, its draft state)."""
@@ -134,6 +137,7 @@ class EngineOptions:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     warmup_steps: int = 2  # untimed forward passes per executor before the run
+    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (cuda + triton; ignored elsewhere)
     num_threads: int | None = None  # torch CPU threads; None or 0: torch's default
     ignore_eos: bool = True  # read by the replica limits (experiments.build), not by the executor
 
@@ -151,6 +155,7 @@ class EngineOptions:
         put("top_p", check_fraction(self.top_p, "backend.top_p"))
         put("top_k", check_int(self.top_k, "backend.top_k", 0, whole_float=True))
         put("warmup_steps", check_int(self.warmup_steps, "backend.warmup_steps", 0, whole_float=True))
+        check_bool(self.cuda_graphs, "backend.cuda_graphs")
         if self.num_threads is not None:
             put("num_threads", check_int(self.num_threads, "backend.num_threads", 0, whole_float=True))
         check_bool(self.ignore_eos, "backend.ignore_eos")
@@ -187,7 +192,7 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers:
                                    dtype=options.torch_dtype, quant=options.quant, group_size=group,
                                    kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock)
         model = ex.runner.model
-        ex.warmup(options.warmup_steps)
+        ex.warmup(options.warmup_steps, options.cuda_graphs)
         executors.append(ex)
     return executors
 

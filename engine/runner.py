@@ -17,6 +17,7 @@ from core.prompt import materialize
 from core.request import RequestState
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache
+from engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler
 from kernels.attention import DecodeCache, paged_attention_torch, plan_attention
@@ -63,6 +64,18 @@ class ModelRunner:
             if self._plan_attention and self.device.type == "cpu" else None
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode-only steps (capture_graphs)
+
+    @property
+    def can_capture_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self._plan_attention
+
+    def capture_graphs(self, max_batch: int = BATCH_BUCKETS[-1]) -> None:
+        """Capture the decode-only forward pass per batch-size bucket (engine.cuda_graphs); CUDA + Triton only."""
+        if not self.can_capture_graphs:
+            raise ValueError("CUDA graphs need a CUDA device and the triton kernels")
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kernels, self.block_size, max_batch)
+        self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's materialised prompt (and its own sampling generator, if it had one)."""
@@ -219,6 +232,10 @@ class ModelRunner:
         if batch.empty:
             return None, None
         inputs = self.prepare(batch, block_table, drafts)
+        f, graphs = batch.features, self.graphs
+        if graphs is not None and f.num_decode_seqs == f.num_batched_tokens == f.num_seqs \
+                and graphs.fits(f.num_seqs, inputs.meta.block_tables.shape[1]):
+            return graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
                             rows=inputs.logits_rows)
         if inputs.logits_rows.numel() == 0:

@@ -62,6 +62,17 @@ def timeit(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
+def kernel_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median GPU seconds of one kernel-level call: on CUDA ``triton.testing.do_bench`` (device events, and an L2
+    flush between calls that also hides the host's launch time, which a single small kernel would otherwise be
+    timed by); elsewhere ``timeit``."""
+    if device.type != "cuda":
+        return timeit(fn, device, reps)
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=max(20, 5 * reps), return_mode="median") / 1e3
+
+
 def decode_bytes(spec: ModelSpec, dtype: torch.dtype, kv_tokens_read: int, weight_bits: int = 16,
                  kv_bits: int = 16, group_size: int = 128) -> float:
     """Bytes a decode step must read at least: linear weights as stored, the LM head in the run dtype (never
@@ -124,13 +135,19 @@ def _linear_rows(spec, device, dtype, reps, quick, tri, g) -> list[dict]:
         qw = quantize_w4(w, group)
         for M in (1, 16, 512 if quick else 4096):
             x = torch.randn(M, K, device=device, generator=g).to(dtype)
-            dense = timeit(lambda: F.linear(x, w), device, reps)  # noqa: B023
-            w4 = timeit(lambda: ks.w4a16_linear(x, qw), device, reps)  # noqa: B023
+            dense = kernel_time(lambda: F.linear(x, w), device, reps)  # noqa: B023
+            w4 = kernel_time(lambda: ks.w4a16_linear(x, qw), device, reps)  # noqa: B023
             act = (M * K + M * N) * dtype.itemsize
             predicted = (N * K * dtype.itemsize + act) / (N * K / 2 + N * K / group * 4 + act) if M <= 16 else 1.0
             rows.append({"op": f"w4a16_{name}", "shape": f"M={M} N={N} K={K}", "baseline": "F.linear",
                          "baseline_ms": 1e3 * dense, "ms": 1e3 * w4, "speedup": dense / w4,
                          "predicted_speedup": predicted})
+            if M == 1 and name == "qkv" and tri is not None:  # split-K counts for a decode GEMV (tuning data)
+                for split in (1, 2, 4, 8, 16):
+                    t = kernel_time(lambda sp=split: ks.w4a16_linear(x, qw, split_k=sp), device, reps)  # noqa: B023
+                    rows.append({"op": f"w4a16_{name}_splitk{split}", "shape": f"M=1 N={N} K={K}",
+                                 "baseline": "F.linear", "baseline_ms": 1e3 * dense, "ms": 1e3 * t,
+                                 "speedup": dense / t, "predicted_speedup": predicted})
     return rows
 
 
@@ -154,7 +171,8 @@ def _attention_rows(spec, device, dtype, reps, quick, tri, g, hw) -> list[dict]:
     lens = torch.full((seqs,), ctx, device=device, dtype=torch.int32)
     qdec, qsl = rnd(seqs, H, D), torch.arange(seqs + 1, device=device, dtype=torch.int32)
     kd, vd = (c[contiguous.long()].reshape(seqs, ctx, Hkv, D).transpose(1, 2) for c in (kc, vc))  # dense K/V
-    sdpa_dec = timeit(lambda: F.scaled_dot_product_attention(qdec[:, :, None], kd, vd, enable_gqa=True), device, reps)
+    sdpa_dec = kernel_time(lambda: F.scaled_dot_product_attention(qdec[:, :, None], kd, vd, enable_gqa=True), device,
+                           reps)
     ks = tri or get_kernels("torch")
     hints = dict(max_query_len=1, max_seq_len=ctx)
     rows = []
@@ -163,7 +181,7 @@ def _attention_rows(spec, device, dtype, reps, quick, tri, g, hw) -> list[dict]:
             ("attention_decode", contiguous, (kc, vc, None, None), kv_bytes),
             ("attention_decode_fragmented", fragmented, (kc, vc, None, None), kv_bytes),
             ("attention_decode_int8kv", contiguous, (k8, v8, *s8), seqs * ctx * Hkv * (D + 4) * 2)):
-        t = timeit(lambda c=caches, bt=tables: ks.attention(qdec, c[0], c[1], bt, lens, qsl, D ** -0.5, c[2], c[3],
+        t = kernel_time(lambda c=caches, bt=tables: ks.attention(qdec, c[0], c[1], bt, lens, qsl, D ** -0.5, c[2], c[3],
                                                             **hints), device, reps)
         row = {"op": name, "shape": f"S={seqs} ctx={ctx}", "baseline": "sdpa_dense", "baseline_ms": 1e3 * sdpa_dec,
                "ms": 1e3 * t, "speedup": sdpa_dec / t}
@@ -174,15 +192,15 @@ def _attention_rows(spec, device, dtype, reps, quick, tri, g, hw) -> list[dict]:
         rows.append(row)
     rows[-1]["speedup_vs_16bit"] = rows[0]["ms"] / rows[-1]["ms"]
     if tri is not None:  # the torch reference on the same decode batch, for scale
-        rows[0]["torch_ref_ms"] = 1e3 * timeit(lambda: get_kernels("torch").attention(
+        rows[0]["torch_ref_ms"] = 1e3 * kernel_time(lambda: get_kernels("torch").attention(
             qdec, kc, vc, contiguous, lens, qsl, D ** -0.5), device, reps)
     qpre = rnd(ctx, H, D)
     one, qsl1 = torch.tensor([ctx], device=device, dtype=torch.int32), torch.tensor([0, ctx], device=device,
                                                                                       dtype=torch.int32)
     qd = qpre.transpose(0, 1)[None]
-    sdpa_pre = timeit(lambda: F.scaled_dot_product_attention(qd, kd[:1], vd[:1], is_causal=True, enable_gqa=True),
+    sdpa_pre = kernel_time(lambda: F.scaled_dot_product_attention(qd, kd[:1], vd[:1], is_causal=True, enable_gqa=True),
                       device, reps)
-    t = timeit(lambda: ks.attention(qpre, kc, vc, contiguous[:1], one, qsl1, D ** -0.5, max_query_len=ctx,
+    t = kernel_time(lambda: ks.attention(qpre, kc, vc, contiguous[:1], one, qsl1, D ** -0.5, max_query_len=ctx,
                                     max_seq_len=ctx), device, reps)
     rows.append({"op": "attention_prefill", "shape": f"T={ctx}", "baseline": "sdpa_dense_causal",
                  "baseline_ms": 1e3 * sdpa_pre, "ms": 1e3 * t, "speedup": sdpa_pre / t})
@@ -190,10 +208,10 @@ def _attention_rows(spec, device, dtype, reps, quick, tri, g, hw) -> list[dict]:
 
 
 def _pair(name, shape, op, ref, tri, device, reps) -> dict:
-    row = {"op": name, "shape": shape, "baseline": "torch_ref", "baseline_ms": 1e3 * timeit(lambda: op(ref), device,
-                                                                                            reps)}
+    baseline = kernel_time(lambda: op(ref), device, reps)
+    row = {"op": name, "shape": shape, "baseline": "torch_ref", "baseline_ms": 1e3 * baseline}
     if tri is not None:
-        row["ms"] = 1e3 * timeit(lambda: op(tri), device, reps)
+        row["ms"] = 1e3 * kernel_time(lambda: op(tri), device, reps)
         row["speedup"] = row["baseline_ms"] / row["ms"]
     return row
 
@@ -213,7 +231,7 @@ def step_rows(spec: ModelSpec, hw: HardwareSpec, device: str, kernels: str, dtyp
     group = spec_group(spec.hidden_size)
     ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=device, dtype=dtype, quant=quant,
                                group_size=group, kv_dtype=kv_dtype)
-    ex.warmup(2)
+    ex.warmup(2, cuda_graphs=True)
     weight_bits, kv_bits = (4 if quant else 16), ar.kv_bits_of(kv_dtype)
     rows, records = [], []
 
@@ -227,6 +245,12 @@ def step_rows(spec: ModelSpec, hw: HardwareSpec, device: str, kernels: str, dtyp
         if kind == "decode":
             bound = decode_bytes(spec, dtype, f.kv_tokens_read, weight_bits, kv_bits, group) / hw.mem_bw
             row.update(bandwidth_bound_ms=1e3 * bound, fraction_of_bandwidth_roofline=bound / t)
+            graphs = ex.runner.graphs
+            if graphs is not None:  # the same step without its CUDA graph: what the graphs save
+                ex.runner.graphs = None
+                t_eager = timeit(lambda: ex.runner.execute(batch, kv.block_table), ex.runner.device, reps)
+                ex.runner.graphs = graphs
+                row.update(eager_step_ms=1e3 * t_eager, graph_speedup=t_eager / t)
         else:
             flops = (f.num_prefill_tokens * ar.linear_flops_per_token(spec) + f.attention_pairs
                      * ar.attention_flops_per_pair(spec) + ar.lm_head_flops_per_token(spec))

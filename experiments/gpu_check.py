@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,14 +34,29 @@ def _hardware(name: str) -> str:
     return next((hw for hw in ("h200", "h100", "a100") if hw in name), "h100")
 
 
-def run_tests(out: Path, timeout_s: int) -> dict:
-    """pytest -m gpu in a subprocess (its own CUDA context; a crash there cannot take the report down)."""
-    xml = out / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
-           "tests/kernels", "tests/engine"]
+def run_tests(out: Path, timeout_s: int, per_test_timeout_s: int = 90) -> dict:
+    """pytest -m gpu in a subprocess (its own CUDA context; a crash there cannot take the report down). Its output
+    goes straight to gpu_tests.log, so a run stopped at ``timeout_s`` still shows how far it got and what was slow;
+    pytest-timeout, where installed, stops any one test after ``per_test_timeout_s``."""
+    import importlib.util
+
+    xml, log = out / "gpu_tests.xml", out / "gpu_tests.log"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
+           "--durations=15", "tests/kernels", "tests/engine"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd.append(f"--timeout={per_test_timeout_s}")
+    if importlib.util.find_spec("xdist") is not None:  # Triton's compiles, not the GPU, bound the tests' time
+        cmd += ["-n", str(min(8, max(1, (os.cpu_count() or 2) // 2)))]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            returncode = f"stopped after {timeout_s} s"
+    text = log.read_text()
     tests = []
     if xml.exists():
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -55,8 +71,14 @@ def run_tests(out: Path, timeout_s: int) -> dict:
                 message = ""
             tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "status": status,
                           "seconds": float(case.get("time") or 0), "message": message})
-    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t0, "tests": tests,
-            "tail": (proc.stdout + proc.stderr)[-3000:]}
+    else:  # stopped before pytest wrote its report: the verbose log's PASSED / FAILED lines
+        for line in text.splitlines():
+            for status in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+                if f" {status}" in line and "::" in line:
+                    tests.append({"test": line.split(" ")[0], "status": status.lower(), "seconds": 0.0,
+                                  "message": ""})
+                    break
+    return {"returncode": returncode, "seconds": time.perf_counter() - t0, "tests": tests, "tail": text[-3000:]}
 
 
 def run_bench(out: Path, model: str, hardware: str, quick: bool) -> dict:
@@ -100,6 +122,8 @@ def markdown(report: dict) -> str:
         if name == "tests":
             counts = {s: sum(t["status"] == s for t in res["tests"]) for s in ("passed", "failed", "error", "skipped")}
             lines += [", ".join(f"{k} {v}" for k, v in counts.items()), ""]
+            if res["returncode"] != 0:
+                lines += [f"pytest: {res['returncode']}", "", "```", res["tail"], "```", ""]
             lines += _table(res["tests"], ["test", "status", "seconds", "message"])
         elif name == "bench":
             lines += ["### kernels (ms; speedup = baseline / ours)", ""]
@@ -108,7 +132,8 @@ def markdown(report: dict) -> str:
                                              "speedup_vs_16bit", "predicted_speedup_vs_16bit", "torch_ref_ms"])
             lines += ["", "### steps (decode: % of the bandwidth roofline; prefill: MFU)", ""]
             lines += _table(res["steps"], ["kind", "batch", "context", "tokens", "step_ms", "bandwidth_bound_ms",
-                                           "fraction_of_bandwidth_roofline", "tflops", "fraction_of_peak_flops"])
+                                           "fraction_of_bandwidth_roofline", "eager_step_ms", "graph_speedup",
+                                           "tflops", "fraction_of_peak_flops"])
             lines += ["", "### W4A16 and int8 KV engines (decode; measured vs predicted speed-up over 16-bit)", ""]
             lines += _table(res.get("quant", []), ["quant", "kv_dtype", "batch", "context", "step_ms",
                                                    "fraction_of_bandwidth_roofline", "speedup_vs_16bit",

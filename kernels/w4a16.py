@@ -157,12 +157,48 @@ if triton is not None:
         out = out_ptr + split.to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+    @triton.jit
+    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on, GROUP: tl.constexpr,
+                        HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """out[N, K] = dequant(w) in out's dtype, one pass: each program unpacks a [BLOCK_N, 8 * BLOCK_W] tile."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        rk = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+        n_mask = (rn < N)[:, None]
+        words = tl.load(qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :],
+                        mask=n_mask & (rw < K // 8)[None, :], other=0)  # int32 [BLOCK_N, BLOCK_W]
+        shift = (tl.arange(0, 8) * 4)[None, None, :]
+        u = tl.reshape((words[:, :, None] >> shift) & 0xF, (BLOCK_N, BLOCK_W * 8)).to(tl.float32)
+        mask = n_mask & (rk < K)[None, :]
+        g = rn[:, None].to(tl.int64) * stride_sn + (rk // GROUP)[None, :]
+        scale = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        else:
+            zero = 8.0
+        tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + rk[None, :],
+                 ((u - zero) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
     _w4_launch = _w4a16_kernel
     if os.environ.get("TRITON_INTERPRET") != "1":
         _w4_launch = triton.autotune(
             [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in W4_CONFIGS],
             key=["N", "K", "GROUP", "BLOCK_M", "BLOCK_K", "HAS_ZERO", "HAS_BIAS", "FP32_DOT"],
         )(_w4a16_kernel)
+
+
+def dequantize_w4_triton(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_w4` in one kernel pass (read 4 bits, write 16 per weight): the prefill path's cost before
+    cuBLAS, where the torch version's half-dozen full-size temporaries cost more than the GEMM itself."""
+    (N, K), block_n, block_w = qw.shape, 32, 16
+    qweight = qw.qweight.contiguous().view(torch.int32)
+    scales = qw.scales.contiguous()
+    zeros = qw.zeros.contiguous() if qw.zeros is not None else scales
+    out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K // 8, block_w))](
+        qweight, scales, zeros, out, N, K, qweight.stride(0), scales.stride(0), out.stride(0), GROUP=qw.group_size,
+        HAS_ZERO=qw.zeros is not None, BLOCK_N=block_n, BLOCK_W=block_w)
+    return out
 
 
 def w4a16_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, *,
@@ -179,7 +215,7 @@ def w4a16_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
     if M == 0:
         return torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M >= DEQUANT_MIN_M and split_k is None and x.dtype != torch.float32:
-        return F.linear(x, dequantize_w4(qw, x.dtype), bias)
+        return F.linear(x, dequantize_w4_triton(qw, x.dtype), bias)
     block_m = max(16, min(64, triton.next_power_of_2(M)))
     k_tiles = K // block_k
     if split_k is None:

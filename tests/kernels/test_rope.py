@@ -89,7 +89,7 @@ def _check_triton(T, H, Hkv, D, dtype, device, strided=False, table_dtype=torch.
     if strided:  # q and k as views of one fused qkv projection output
         qkv = torch.cat([q.flatten(1), k.flatten(1), k.flatten(1)], dim=1)
         q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
-        assert not q.is_contiguous()
+        assert T == 1 or not q.is_contiguous()  # torch gives a one-row view contiguous strides
     table = rope_cos_sin(D, 512, 10000.0, LLAMA3, table_dtype, device)
     positions = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(T)).to(device)
     q_out, k_out = rope_triton(q, k, positions, table)

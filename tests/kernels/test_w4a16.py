@@ -136,6 +136,20 @@ def test_triton_large_m_dequantises_then_matmuls():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("N,K,G", [(72, 384, 128), (33, 160, 32), (5, 16, 16)])
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_triton_dequantise_equals_torch(N, K, G, zero_point):
+    """The one-pass dequantisation kernel gives dequantize_w4's values exactly (partial tiles on both axes)."""
+    from kernels.w4a16 import dequantize_w4, dequantize_w4_triton
+
+    qw = quantize_w4(_w(N, K), group_size=G, zero_point=zero_point).to(DEVICE)
+    for dtype in (torch.float32, torch.float16):
+        out = dequantize_w4_triton(qw, dtype)
+        assert out.dtype == dtype and out.shape == (N, K)
+        assert torch.equal(out.cpu(), dequantize_w4(qw, dtype).cpu())
+
+
+@pytest.mark.interpreter
 def test_triton_rejects_small_groups_and_handles_empty():
     qw = quantize_w4(_w(8, 64), group_size=8).to(DEVICE)
     with pytest.raises(ValueError, match="multiple of 16"):
