@@ -23,6 +23,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -91,7 +92,8 @@ def kernel_rows(spec: ModelSpec, device: torch.device, dtype: torch.dtype, reps:
                 hw: HardwareSpec | None = None) -> list[dict]:
     """Each op at a decode-like (16 tokens) and a prefill-like token count, torch reference vs Triton; attention
     and W4A16 against the baselines a GPU engine must beat (SDPA on dense K/V, cuBLAS in the run dtype)."""
-    ref, tri = get_kernels("torch"), get_kernels("triton") if device.type == "cuda" else None
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # a CPU smoke run of the Triton rows
+    ref, tri = get_kernels("torch"), get_kernels("triton") if device.type == "cuda" or interpreted else None
     d, H, Hkv, D, F_ = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
@@ -191,6 +193,15 @@ def _attention_rows(spec, device, dtype, reps, quick, tri, g, hw) -> list[dict]:
             row["predicted_speedup_vs_16bit"] = kv_bytes / nbytes
         rows.append(row)
     rows[-1]["speedup_vs_16bit"] = rows[0]["ms"] / rows[-1]["ms"]
+    if tri is not None:  # split-K counts on this decode batch and on a quarter of it (tuning data)
+        for n in (seqs, max(1, seqs // 4)):
+            for splits in (1, 2, 4, 8):
+                t = kernel_time(lambda n=n, sp=splits: ks.attention(qdec[:n], kc, vc, contiguous[:n], lens[:n],
+                                                                     qsl[:n + 1], D ** -0.5, num_splits=sp, **hints),
+                                device, reps)
+                rows.append({"op": f"attention_decode_split{splits}", "shape": f"S={n} ctx={ctx}",
+                             "baseline": "sdpa_dense", "ms": 1e3 * t,
+                             "fraction_of_bandwidth_roofline": kv_bytes * n / seqs / hw.mem_bw / t if hw else None})
     if tri is not None:  # the torch reference on the same decode batch, for scale
         rows[0]["torch_ref_ms"] = 1e3 * kernel_time(lambda: get_kernels("torch").attention(
             qdec, kc, vc, contiguous, lens, qsl, D ** -0.5), device, reps)
@@ -296,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     p.add_argument("--out", default="outputs/bench_gpu")
     p.add_argument("--no-quant", dest="quant", action="store_false", help="skip the W4A16 / int8-KV engines")
+    p.add_argument("--kernels-only", action="store_true", help="only the kernel rows (no engine steps)")
     p.set_defaults(quant_method="w4a16")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -313,6 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
         return rows
 
     kernels = show(kernel_rows(spec, device, dtype, args.reps, args.quick, hw))
+    if args.kernels_only:
+        (out / "bench_gpu.json").write_text(json.dumps({"kernels": kernels}, indent=1))
+        return {"kernels": kernels}
     steps, records = step_rows(spec, hw, args.device, args.kernels, dtype, args.reps, args.quick)
     show(steps)
     with open(out / "steps.csv", "w", newline="") as f:
