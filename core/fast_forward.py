@@ -118,7 +118,7 @@ class DecodeRun:
     def start(self, now: float) -> float | None:
         """Before step ``self.m`` at clock ``now``: its duration, its KV allocations made; None if the run ends."""
         m = self.m
-        if m >= self.limit or self.replica.has_aborts:
+        if m >= self.limit or self.replica.has_aborts or self.replica.has_adopted:
             return None
         waiting = self.waiting
         if len(waiting) != self.waiting_len or (waiting and waiting[-1] is not self.waiting_last):

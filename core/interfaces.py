@@ -206,6 +206,27 @@ class Router(Protocol):
 
 
 @runtime_checkable
+class Placement(Protocol):
+    """PD disaggregation (``core.disagg``): chooses the decode replica (index into ``replicas``, the decode replicas'
+    views) that receives a prefilled request's KV. ``num_waiting`` of a view includes the transfers already on their
+    way to that replica; ``num_free_blocks`` already excludes the blocks they reserved."""
+
+    def place(self, request: Request, replicas: Sequence[ReplicaView]) -> int: ...
+
+
+@runtime_checkable
+class KVTransport(Protocol):
+    """PD disaggregation: moves one request's KV from a prefill replica's pool to a decode replica's and returns the
+    seconds it takes (the simulator prices a link; the engine copies tensors and measures the copy)."""
+
+    def transfer(self, src: int, dst: int, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                 num_tokens: int) -> float:
+        """Copy the KV of the first ``num_tokens`` tokens held in blocks ``src_blocks`` of replica ``src`` into
+        blocks ``dst_blocks`` of replica ``dst`` (same block size, same order)."""
+        ...
+
+
+@runtime_checkable
 class Workload(Protocol):
     """Where requests come from. Open loop: everything comes from ``initial``; closed loop: each finished
     request may bring its client's next one (``arrival_s`` = finish time + think time)."""

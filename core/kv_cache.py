@@ -144,6 +144,18 @@ class KVCacheManager:
         table.extend(self._take(now) for _ in range(need))
         return True
 
+    def receive(self, state: RequestState, num_tokens: int, now: float) -> list[int] | None:
+        """PD disaggregation: a table of fresh blocks for ``num_tokens`` tokens of KV that arrive from another
+        replica's pool (this pool's prefix cache is neither read nor written). All-or-nothing: None, changing
+        nothing, when the pool cannot hold them now. The table is then the request's, as after ``admit``."""
+        assert state.id not in self._tables, f"request {state.id} already holds blocks"
+        need = self.blocks_for(num_tokens)
+        if need > self.num_free_blocks:
+            return None
+        table = self._tables[state.id] = [self._take(now) for _ in range(need)]
+        self._registered[state.id] = 0
+        return table
+
     def _take(self, now: float) -> int:
         if self._fresh < self.num_blocks:
             bid = self._fresh

@@ -154,6 +154,11 @@ class ServingLoop:
         self._clock_drives_decodes = isinstance(clock, DecodeClock) and clock.drives_decodes  # checked once
         return [self._arrivals(), *(self._replica(i) for i in range(len(self.replicas)))]
 
+    @property
+    def num_idle_slots(self) -> int:
+        """Ids a process may wait on with ``Idle`` (one per replica); a clock keeps that many slots."""
+        return len(self.replicas)
+
     def unfinished(self) -> list[str]:
         return [s.id for r in self.replicas for s in (*r.waiting, *r.running)]
 
@@ -174,13 +179,18 @@ class ServingLoop:
         if req.id in self._ids:
             raise ValueError(f"request id {req.id!r} was submitted twice; request ids must be unique")
         self._ids.add(req.id)
-        idx = self.router.route(req, [r.view() for r in self.replicas]) if len(self.replicas) > 1 else 0
-        if not 0 <= idx < len(self.replicas):
-            raise RuntimeError(f"router {type(self.router).__name__} returned replica {idx} of {len(self.replicas)}")
+        idx = self._route(req)
         state = self.replicas[idx].add(req, self.clock.now)
         self.states.append(state)
         self.clock.wake(idx)
         return state
+
+    def _route(self, req: Request) -> int:
+        """The replica a new request goes to: the router's choice among all replicas."""
+        idx = self.router.route(req, [r.view() for r in self.replicas]) if len(self.replicas) > 1 else 0
+        if not 0 <= idx < len(self.replicas):
+            raise RuntimeError(f"router {type(self.router).__name__} returned replica {idx} of {len(self.replicas)}")
+        return idx
 
     def _arrivals(self) -> Process:
         clock, delay = self.clock, self.frontend_delay_s
@@ -208,7 +218,7 @@ class ServingLoop:
                 if replica.running:
                     raise RuntimeError(f"scheduler {type(replica.scheduler).__name__} returned an empty batch "
                                        f"with {len(replica.running)} running requests on replica {i}")
-                if replica.waiting:
+                if replica.waiting and not replica.sending:
                     continue  # the replica rejected an unschedulable head request; try the next one
                 yield Idle(i)
                 continue

@@ -35,7 +35,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -289,7 +289,8 @@ def remove_run_files(out_dir: str | Path) -> list[str]:
 def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterable[StepRecord] | None,
               metrics: Mapping[str, Any], extra_files: Mapping[str, str | bytes] | None = None, *,
               timing: Mapping[str, Any] | None = None, run_status: str = COMPLETE, file_format: str = "csv",
-              tokens: str = "all") -> dict[str, Path]:
+              tokens: str = "all",
+              extra_request_columns: Mapping[str, Callable[[RequestState], Any]] | None = None) -> dict[str, Path]:
     """Write the run's files into ``out_dir`` (created if needed); returns name -> path as written.
 
     requests, tokens (unless ``tokens`` is ``none``) and steps (none when ``steps`` is None: a black box has no
@@ -299,7 +300,8 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
     then the run files an earlier run left are removed and the new ones renamed into place. Unless ``run_status``
     is ``complete`` the data files are named ``<name>.partial``. If writing fails or is interrupted (any exception,
     KeyboardInterrupt included), what was written is kept as ``.partial`` files beside a metrics.json whose
-    ``run_status`` is ``interrupted``, and the exception propagates.
+    ``run_status`` is ``interrupted``, and the exception propagates. ``extra_request_columns``: more requests-file
+    columns after the usual ones, name -> the cell of a request (a PD cluster's transfer columns).
     """
     if run_status not in RUN_STATUSES:
         raise ValueError(f"run_status must be one of {RUN_STATUSES}, got {run_status!r}")
@@ -317,7 +319,9 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
     try:
         try:
             ordered = sorted(states, key=lambda s: s.request.arrival_s)  # stable: ties keep the caller's order
-            write(stage / f"requests.{ext}", REQUEST_COLUMNS, build=lambda: request_columns(ordered))
+            extra = extra_request_columns or {}
+            write(stage / f"requests.{ext}", (*REQUEST_COLUMNS, *extra),
+                  build=lambda: [*request_columns(ordered), *([cell(s) for s in ordered] for cell in extra.values())])
             if tokens == "all":
                 write(stage / f"tokens.{ext}", TOKEN_COLUMNS, token_columns(ordered))
             if steps is not None:

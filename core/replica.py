@@ -167,6 +167,8 @@ class Replica:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Batch:
+        if self._adopted:
+            self._admit_adopted()
         if self._aborts:
             self._end_aborted(now)
         if self.limits.request_timeout_s is not None:
@@ -176,7 +178,7 @@ class Replica:
         batch = self.scheduler.schedule(view)
         batch.preempted = view.preempted
         self._validate(batch)
-        if batch.empty and not self.running and self.waiting:
+        if batch.empty and not self.running and self.waiting and not self._sending:
             # Nothing runs and nothing will free memory: the blocked request can never be scheduled.
             stuck = view.blocked if view.blocked in self.waiting else self.waiting[0]
             self.waiting.remove(stuck)
@@ -223,6 +225,8 @@ class Replica:
             self.running[:] = [s for s in self.running if s.status is not Status.FINISHED]
             for state in done:
                 self._end(state, Status.FINISHED, end_s)
+        if self.on_prefilled is not None:
+            self._hand_off(end_s)
 
     @staticmethod
     def _append(state: RequestState, tokens: list[int], start: int, n: int, end_s: float) -> bool:
@@ -369,3 +373,54 @@ class Replica:
         run, self._decode_run = self._decode_run, None
         if run is not None:
             run.sync()
+
+    # ---- PD disaggregation (core.disagg) ---------------------------------------------------------------------
+    # A prefill replica hands each request off once its first token is sampled, keeping its KV blocks until the
+    # transfer ends (``release_sent``); a decode replica adopts transferred requests with their KV in its pool.
+    on_prefilled: OnTerminal | None = None  # set on a prefill replica: takes each request whose prefill completed
+    _sending = 0  # handed-off requests whose blocks this replica still holds
+    _adopted: list[RequestState] | None = None  # transferred requests that join ``running`` at the next schedule
+
+    @property
+    def sending(self) -> bool:
+        """Handed-off requests still hold KV here: an idle replica that cannot admit its queue head waits for them
+        to leave instead of rejecting it."""
+        return self._sending > 0
+
+    @property
+    def num_adopting(self) -> int:
+        return len(self._adopted) if self._adopted else 0
+
+    @property
+    def has_adopted(self) -> bool:
+        """A transferred request waits to join ``running`` (a decode fast-forward ends: the batch changes)."""
+        return bool(self._adopted)
+
+    def _hand_off(self, end_s: float) -> None:
+        """Running requests that got their first token this step leave for a decode replica (``on_prefilled``)."""
+        ready = [s for s in self.running if s.output_token_ids]
+        if not ready:
+            return
+        self.running[:] = [s for s in self.running if not s.output_token_ids]
+        self._sending += len(ready)
+        for state in ready:
+            self.on_prefilled(state, end_s)
+
+    def release_sent(self, state: RequestState, now: float) -> None:
+        """A handed-off request's transfer ended: free its blocks the normal way (its prompt blocks stay cached)."""
+        self.kv.free(state, now)
+        self._sending -= 1
+
+    def adopt(self, state: RequestState) -> None:
+        """A request prefilled elsewhere, its KV already in this pool (``KVCacheManager.receive``): it joins the
+        running set at the next ``schedule`` and decodes from there."""
+        if self._adopted is None:
+            self._adopted = []
+        state.replica = self.index
+        self._adopted.append(state)
+
+    def _admit_adopted(self) -> None:
+        for state in self._adopted:
+            state.status = Status.RUNNING
+            self.running.append(state)
+        self._adopted.clear()

@@ -141,6 +141,7 @@ class HardwareSpec:
     mem_bytes: float  # device memory, bytes
     interconnect_bw: float = 0.0  # bytes/s per direction between tensor-parallel peers (0: single device)
     peak_flops_int8: float = 0.0  # 0: same as peak_flops
+    links: dict | None = None  # KV transfer link presets for PD disaggregation: name -> {bandwidth_bytes_s, latency_s}
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "mem_bw", "mem_bytes"):

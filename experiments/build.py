@@ -239,7 +239,7 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
     limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=spec.max_model_len,
                              request_timeout_s=cfg.request_timeout_s, vocab_size=spec.vocab_size,
                              eos_token_ids=frozenset(spec.eos_token_ids), ignore_eos=not stop_at_eos)
-    n = check_int(cfg.replicas, "replicas", 1, whole_float=True)
+    n = num_replicas(cfg)
     check_memory(cfg, spec, num_blocks, n)
     check_bool(cfg.kv.prefix_caching, "kv.prefix_caching")
     sched_node, block_size = _without(sched, LIMIT_KEYS), check_int(cfg.kv.block_size, "kv.block_size", 1,
@@ -356,13 +356,86 @@ MakeExecutors = Callable[[list[Replica]], list[Executor]]
 def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
                replicas: list[Replica] | None = None) -> ServingLoop:
     """The serving loop for ``cfg``: its replicas, router and workload, with executors from the backend (or from
-    ``make_executors(replicas)``, e.g. a replay of recorded step times)."""
+    ``make_executors(replicas)``, e.g. a replay of recorded step times); a ``PDServingLoop`` for ``cluster=pd``."""
     if replicas is None:
         replicas = replicas_for(cfg)
     executors = make_executors(replicas) if make_executors else build_executors(cfg, model_spec(cfg), replicas)
-    return ServingLoop(replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload),
-                       frontend_delay_s=frontend_delay(cfg),
-                       fast_forward=check_bool(cfg.backend.get("fast_forward", True), "backend.fast_forward"))
+    args = (replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload))
+    options = dict(frontend_delay_s=frontend_delay(cfg),
+                   fast_forward=check_bool(cfg.backend.get("fast_forward", True), "backend.fast_forward"))
+    if cluster_kind(cfg) == "pd":
+        from core.disagg import PDServingLoop
+
+        if make_executors is not None:
+            raise ValueError("cluster=pd runs on its backend's own executors (a replay of recorded steps does not "
+                             "replay transfers); use cluster=colocated")
+        return PDServingLoop(*args, num_prefill=prefill_decode(cfg)[0],
+                             placement=instantiate_group(cfg.placement, "placement"),
+                             transport=kv_transport(cfg, executors), **options)
+    return ServingLoop(*args, **options)
+
+
+# ---- cluster: colocated replicas, or PD disaggregation (core.disagg) -------------------------------------------
+CLUSTERS = ("colocated", "pd")
+
+
+def cluster_kind(cfg: DictConfig) -> str:
+    """``cluster.name``: colocated (a config without the group too) or pd."""
+    node = cfg.get("cluster")
+    return check_choice(node.get("name") if node is not None else "colocated", "cluster.name", CLUSTERS)
+
+
+def prefill_decode(cfg: DictConfig) -> tuple[int, int]:
+    """(``cluster.prefill_replicas``, ``cluster.decode_replicas``) of a PD cluster, each at least 1."""
+    return tuple(check_int(cfg.cluster.get(k), f"cluster.{k}", 1, whole_float=True)  # type: ignore[return-value]
+                 for k in ("prefill_replicas", "decode_replicas"))
+
+
+def num_replicas(cfg: DictConfig) -> int:
+    """``replicas``; with ``cluster=pd``, prefill + decode replicas (``replicas`` must then stay 1 or equal that)."""
+    n = check_int(cfg.replicas, "replicas", 1, whole_float=True)
+    if cluster_kind(cfg) != "pd":
+        return n
+    total = sum(prefill_decode(cfg))
+    if n not in (1, total):
+        raise ValueError(f"replicas={n} with cluster=pd: the cluster has cluster.prefill_replicas + "
+                         f"cluster.decode_replicas = {total} replicas; leave replicas at 1")
+    return total
+
+
+def link(cfg: DictConfig):
+    """The simulator's KV link (``core.disagg.Link``): ``cluster.link``, a preset of ``hardware.links``, with
+    ``cluster.link_bandwidth_bytes_s`` / ``cluster.link_latency_s`` overriding its values (or alone, link null)."""
+    from core.disagg import Link
+
+    c = cfg.cluster
+    name, bw, latency = c.get("link"), c.get("link_bandwidth_bytes_s"), c.get("link_latency_s")
+    if name is not None:
+        presets = OmegaConf.to_container(cfg.hardware.get("links") or OmegaConf.create({}), resolve=True)
+        if name not in presets:
+            raise ValueError(f"cluster.link={name!r}: not a link preset of hardware={cfg.hardware.name}; allowed: "
+                             f"{sorted(presets)}, or null with cluster.link_bandwidth_bytes_s")
+        preset = presets[name]
+        bw = preset.get("bandwidth_bytes_s") if bw is None else bw
+        latency = preset.get("latency_s", 0.0) if latency is None else latency
+    if bw is None:
+        raise ValueError("cluster.link_bandwidth_bytes_s is required when cluster.link is null")
+    return Link(check_float(bw, "cluster.link_bandwidth_bytes_s", strict=True),
+                check_float(latency or 0.0, "cluster.link_latency_s"))
+
+
+def kv_transport(cfg: DictConfig, executors: list[Executor]):
+    """How a PD cluster moves KV: priced over ``link(cfg)`` (sim), or copied between the engine's KV tensors and
+    timed on the ``engine_clock`` stopwatch (engine)."""
+    if cfg.backend.name == "engine":
+        from engine.executor import STOPWATCHES
+        from engine.transfer import TorchKVTransport
+
+        return TorchKVTransport([ex.runner for ex in executors], STOPWATCHES[engine_clock(cfg)])
+    from sim.transfer import LinkTransport
+
+    per_token = arithmetic.kv_bytes_per_token(stored_spec(cfg, model_spec(cfg)), kv_bits(cfg))
+    return LinkTransport(link(cfg), per_token)
 
 
 def frontend_delay(cfg: DictConfig) -> float:

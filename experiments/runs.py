@@ -9,14 +9,27 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from core.loop import RunResult
+from core import arithmetic
+from core.disagg import PDServingLoop
+from core.loop import RunResult, ServingLoop
 from core.output import COMPLETE, INTERRUPTED, check_output_options, table_path, write_run
-from experiments.build import MakeExecutors, build_loop, engine_clock, metrics_options, model_spec, progress_bar
+from experiments.build import (
+    MakeExecutors,
+    build_loop,
+    engine_clock,
+    kv_bits,
+    link,
+    metrics_options,
+    model_spec,
+    progress_bar,
+    stored_spec,
+)
 from experiments.overrides import with_backend
 from sim.clock import simulate
 
@@ -48,10 +61,15 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
                 "num_unfinished": len(partial.states) - len(ended)}
         with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
             write_run_dir(cfg, RunResult(ended, partial.steps, partial.end_s, partial.wall_s), out_dir,
-                          backend_label, note, run_status=INTERRUPTED, plots=False)
+                          backend_label, note, run_status=INTERRUPTED, plots=False, pd=pd_loop(loop))
         raise
     check_measured(cfg, result)
-    return write_run_dir(cfg, result, out_dir, backend_label)
+    return write_run_dir(cfg, result, out_dir, backend_label, pd=pd_loop(loop))
+
+
+def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
+    """The loop of a ``cluster=pd`` run (its transfers go into the run files), else None."""
+    return loop if isinstance(loop, PDServingLoop) else None
 
 
 def check_measured(cfg: DictConfig, result: RunResult) -> None:
@@ -66,17 +84,22 @@ def check_measured(cfg: DictConfig, result: RunResult) -> None:
 
 def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backend_label: str | None = None,
                   extra: Mapping[str, Any] | None = None, run_status: str = COMPLETE,
-                  plots: bool | None = None) -> dict[str, Any]:
+                  plots: bool | None = None, pd: PDServingLoop | None = None) -> dict[str, Any]:
     """Metrics, the DESIGN section 8 files (plus outputs.jsonl for the engine), config.yaml and timing.json
     through ``core.output.write_run`` (atomic, metrics.json last, stale run files removed), then plots if enabled
     (``plots`` overrides ``output.plots``). metrics.json holds no wall-clock fact: timing.json has ``wall_s`` and
-    ``sim_s_per_wall_s``. ``run_status``: ``complete``, or ``running`` / ``interrupted`` for partial results."""
+    ``sim_s_per_wall_s``. ``run_status``: ``complete``, or ``running`` / ``interrupted`` for partial results.
+    ``pd``: a PD cluster's loop: metrics.json gets its ``pd`` section and requests.csv its transfer columns (a
+    colocated run's files have neither)."""
     from core.metrics import summarize
 
     spec = model_spec(cfg)
     label = backend_label or cfg.backend.name
-    metrics = summarize(result.states, **metrics_options(cfg, spec))
+    options = metrics_options(cfg, spec)
+    metrics = summarize(result.states, **options)
     metrics.update(backend=label, num_steps=len(result.steps), **(extra or {}))
+    if pd is not None:
+        metrics["pd"] = pd_metrics(cfg, pd, options["percentile_method"])
     if label == "engine":
         metrics["engine_clock"] = engine_clock(cfg)
     timing = {"wall_s": result.wall_s,
@@ -89,7 +112,8 @@ def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backe
     out = Path(out_dir)
     opts = output_options(cfg)
     write_run(out, result.states, result.steps, metrics, files, timing=timing, run_status=run_status,
-              file_format=opts["format"], tokens=opts["tokens"])
+              file_format=opts["format"], tokens=opts["tokens"],
+              extra_request_columns=pd.request_columns() if pd is not None else None)
     draw = opts["plots"] if plots is None else plots
     if draw == "auto":
         draw = len(result.states) <= PLOTS_AUTO_MAX_REQUESTS
@@ -98,6 +122,18 @@ def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backe
 
         plotting.plot_run(out)
     return metrics
+
+
+def pd_metrics(cfg: DictConfig, loop: PDServingLoop, method: str) -> dict[str, Any]:
+    """metrics.json's ``pd`` section: transfer time, KV wait and link wait percentiles, what moved, and how transfer
+    times were obtained (the simulator's link, or the engine's measured copies)."""
+    spec = stored_spec(cfg, model_spec(cfg))
+    out = loop.metrics(method, kv_bytes_per_token=arithmetic.kv_bytes_per_token(spec, kv_bits(cfg)))
+    measured = cfg.backend.name == "engine"
+    out["transfer_timing"] = "measured" if measured else "link"
+    out["link"] = None if measured else {"name": cfg.cluster.get("link"), **asdict(link(cfg))}
+    out["placement"] = cfg.placement.get("_target_")
+    return out
 
 
 def output_options(cfg: DictConfig) -> dict[str, Any]:

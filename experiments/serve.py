@@ -23,7 +23,7 @@ from core.loop import RunResult, ServingLoop
 from core.output import COMPLETE, RUNNING
 from core.realtime import RealTimeClock
 from core.request import SamplingParams
-from experiments.build import CONF_DIR, build_executors, instantiate_group, model_spec, replicas_for
+from experiments.build import CONF_DIR, build_executors, cluster_kind, instantiate_group, model_spec, replicas_for
 from experiments.cli import user_errors
 from experiments.runs import write_run_dir
 from experiments.server.app import OpenAIServer, ServerSettings, drain
@@ -48,6 +48,9 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     b = cfg.backend
     default_sampling = SamplingParams(float(b.get("temperature", 0.0)), float(b.get("top_p", 1.0)),
                                       int(b.get("top_k", 0)))
+    if cluster_kind(cfg) != "colocated":  # the server's real-time loop has no transfer processes
+        raise ValueError(f"cluster={cluster_kind(cfg)}: the server runs colocated replicas only; use "
+                         "python -m experiments.run for a PD cluster")
     replicas = replicas_for(cfg)
     loop = ServingLoop(replicas, build_executors(cfg, spec, replicas), instantiate_group(cfg.router, "router"),
                        NoArrivals())

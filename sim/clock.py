@@ -145,7 +145,7 @@ def simulate(loop: ServingLoop, progress: bool = False, clock: str = "heap") -> 
     t0 = time.perf_counter()
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}; allowed: {list(CLOCKS)}")
-    sim_clock = CLOCKS[clock](len(loop.replicas))
+    sim_clock = CLOCKS[clock](loop.num_idle_slots)
     bar = None
     if progress:
         from tqdm import tqdm
