@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from core.loop import RunResult
+from core.loop import RunResult, ServingLoop
 from core.output import COMPLETE, INTERRUPTED, check_output_options, table_path, write_run
 from experiments.build import MakeExecutors, build_loop, engine_clock, metrics_options, model_spec, progress_bar
 from experiments.overrides import with_backend
@@ -51,7 +51,28 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
                           backend_label, note, run_status=INTERRUPTED, plots=False)
         raise
     check_measured(cfg, result)
-    return write_run_dir(cfg, result, out_dir, backend_label)
+    return write_run_dir(cfg, result, out_dir, backend_label, host_tier_metrics(cfg, loop))
+
+
+def host_tier_metrics(cfg: DictConfig, loop: ServingLoop) -> dict[str, Any]:
+    """metrics.json's ``host_tier`` section, summed over replicas (``core.host_tier.HostTierStats.summary``);
+    no key when the host tier is off, so runs without one keep their metrics.json."""
+    from dataclasses import fields
+
+    from core import arithmetic
+    from core.host_tier import HostTierStats
+    from experiments.build import kv_bits, stored_spec
+
+    tiers = [r.kv.host for r in loop.replicas if r.kv.host is not None]
+    if not tiers:
+        return {}
+    total = HostTierStats()
+    for tier in tiers:
+        for f in fields(HostTierStats):
+            setattr(total, f.name, getattr(total, f.name) + getattr(tier.stats, f.name))
+    per_block = arithmetic.kv_bytes_per_block(stored_spec(cfg, model_spec(cfg)), tiers[0].block_size, kv_bits(cfg))
+    return {"host_tier": {"blocks_per_replica": tiers[0].num_blocks, "bytes_per_block": per_block,
+                          **total.summary(per_block)}}
 
 
 def check_measured(cfg: DictConfig, result: RunResult) -> None:

@@ -23,11 +23,12 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from core.interfaces import EvictionPolicy, Router, Scheduler, SpeculationPolicy, Workload
+from core.interfaces import EvictionPolicy, PreemptionPolicy, Router, Scheduler, SpeculationPolicy, Workload
 from sim.cost.base import CostModel
 
 GROUP_PROTOCOLS: dict[str, type] = {"workload": Workload, "scheduler": Scheduler, "eviction": EvictionPolicy,
-                                    "router": Router, "cost_model": CostModel, "speculation": SpeculationPolicy}
+                                    "router": Router, "cost_model": CostModel, "speculation": SpeculationPolicy,
+                                    "preemption": PreemptionPolicy}
 
 
 def protocol_methods(protocol: type) -> tuple[str, ...]:
