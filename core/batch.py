@@ -93,13 +93,34 @@ class StepFeatures:
         return tuple(cls.__dataclass_fields__)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """One KV block copied between the device pool and the host tier (``core.host_tier``) before the step's forward
+    pass. ``kind``: ``swap_out`` / ``spill`` (device -> host: a preempted request's block / an evicted prefix
+    block), ``swap_in`` / ``load`` (host -> device: a resumed request's block / a prefix hit on the host)."""
+
+    kind: str
+    device_block: int
+    host_block: int
+
+    @property
+    def to_host(self) -> bool:
+        return self.kind in TO_HOST
+
+
+TO_HOST = frozenset({"swap_out", "spill"})
+COPY_KINDS = ("swap_out", "spill", "swap_in", "load")
+
+
 @dataclass(slots=True)
 class Batch:
-    """One step: the chunks to run and the ids of requests preempted while building it."""
+    """One step: the chunks to run, the ids of requests preempted while building it, and the KV block copies to
+    perform first, in order (host tier; empty without one)."""
 
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     features: StepFeatures = field(init=False)
+    copies: tuple[BlockCopy, ...] = ()
 
     def __post_init__(self) -> None:
         self.features = StepFeatures.of(self.chunks)

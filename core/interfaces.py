@@ -81,7 +81,13 @@ class SchedulerView(Protocol):
         """Room for ``num_tokens`` more tokens of a running request. False (no change) if the pool is full."""
 
     def preempt(self, state: RequestState) -> None:
-        """Recompute preemption: drop the running request's KV and put it at the head of the waiting queue."""
+        """Preempt a running request to the head of the waiting queue: by recompute (its KV is dropped), or by
+        swap (its KV goes to the host tier and comes back when it is admitted again), as the replica's
+        ``PreemptionPolicy`` decides for this victim."""
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host-tier blocks a swap-out can take now (0 without a host tier)."""
 
     def num_draft_tokens(self, state: RequestState) -> int:
         """Draft tokens a running request in decode should verify this step (speculative decoding; 0 when off):
@@ -96,6 +102,20 @@ class SpeculationPolicy(Protocol):
     requests run (``num_running``): drafts pay at small batches and high acceptance, and cost compute otherwise."""
 
     def num_draft_tokens(self, state: RequestState, num_running: int) -> int: ...
+
+
+SWAP, RECOMPUTE = "swap", "recompute"
+PREEMPTION_MODES = (SWAP, RECOMPUTE)
+
+
+@runtime_checkable
+class PreemptionPolicy(Protocol):
+    """How a preempted request gives up its KV: ``"recompute"`` (drop it; its tokens are computed again when it is
+    readmitted) or ``"swap"`` (copy its blocks to the host tier and back on readmission). Asked once per victim
+    by ``SchedulerView.preempt``; a swap the host tier has no room for falls back to recompute. ``view`` shows
+    ``block_size`` and ``num_free_host_blocks``; ``state.num_computed_tokens`` is what a swap would save."""
+
+    def mode(self, state: RequestState, view: SchedulerView) -> str: ...
 
 
 @runtime_checkable

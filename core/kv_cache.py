@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 from core.checks import check_int
+from core.host_tier import HostTier
 from core.interfaces import Block, EvictionPolicy  # Block lives with the EvictionPolicy that reads it
 from core.request import RequestState
 
@@ -55,7 +56,7 @@ class KVCacheManager:
     """Allocates blocks to requests and shares full prompt blocks through chained hashes (core.prompt)."""
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, host: HostTier | None = None) -> None:
         check_int(num_blocks, "kv.num_blocks", 1)
         check_int(block_size, "kv.block_size", 1)
         self.num_blocks = num_blocks
@@ -71,6 +72,7 @@ class KVCacheManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}  # request id -> how many of its blocks are in the prefix cache
+        self.host = host  # host KV tier (swap preemption, prefix spill); None: off
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -107,8 +109,21 @@ class KVCacheManager:
         return hits
 
     def lookup(self, state: RequestState) -> int:
-        """Tokens of ``state`` that a prefix-cache hit would skip now (no side effects)."""
-        return len(self._hits(state)) * self.block_size
+        """Tokens of ``state`` that a prefix-cache hit would skip now (no side effects); with a host tier, also
+        the blocks it would copy back: a swapped-out request's computed tokens, or prefix blocks cached there."""
+        if self.host is None:
+            return len(self._hits(state)) * self.block_size
+        if self.host.swapped(state.id) is not None:
+            return state.num_computed_tokens
+        hits = self._hits(state)
+        return (len(hits) + len(self._host_hits(state, len(hits)))) * self.block_size
+
+    def _host_hits(self, state: RequestState, num_device_hits: int) -> list[int]:
+        """Host block ids continuing the device prefix hit (same limit: the last token is recomputed)."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = min(len(state.block_hashes), (state.num_tokens - 1) // self.block_size)
+        return self.host.hits(state.block_hashes[num_device_hits:limit])
 
     # ---- allocation ----------------------------------------------------------------------------------------
     def admit(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
@@ -116,8 +131,19 @@ class KVCacheManager:
         more tokens. Sets ``num_computed_tokens`` to the hit length. All-or-nothing."""
         assert state.id not in self._tables, f"request {state.id} already holds blocks"
         hits = self._hits(state)
+        if self.host is not None:
+            return self._admit_with_host(state, hits, num_new_tokens, now)
         cached = len(hits) * self.block_size
         need = self.blocks_for(cached + num_new_tokens) - len(hits)
+        if not self._claim(hits, need, now):
+            return False
+        self._tables[state.id] = hits + [self._take(now) for _ in range(need)]
+        self._registered[state.id] = len(hits)
+        state.num_computed_tokens = cached
+        return True
+
+    def _claim(self, hits: list[int], need: int, now: float) -> bool:
+        """Take references on cached ``hits`` if ``need`` more blocks fit besides them; False changes nothing."""
         items = self._items
         reclaimed = sum(1 for b in hits if items[b].ref_count == 0)  # evictable hits stop being free
         if need + reclaimed > self.num_free_blocks:
@@ -128,10 +154,54 @@ class KVCacheManager:
             blk.last_used_s = now
             blk.ref_count += 1
             self.eviction.on_hit(blk, now)
-        self._tables[state.id] = hits + [self._take(now) for _ in range(need)]
-        self._registered[state.id] = len(hits)
-        state.num_computed_tokens = cached
         return True
+
+    def _admit_with_host(self, state: RequestState, hits: list[int], num_new_tokens: int, now: float) -> bool:
+        """``admit`` with a host tier: a swapped-out request gets its blocks back (those its device prefix hit
+        covers come from the device cache, the rest are copied in); any other request's prefix continues on the
+        host, whose blocks are copied in instead of recomputed. The copied blocks are published to the device
+        prefix cache as a computed prompt would be."""
+        host, bs = self.host, self.block_size
+        swapped = host.swapped(state.id)
+        if swapped is not None:
+            computed = state.num_computed_tokens
+            hits = hits[:min(len(swapped), computed // bs)]  # only whole computed blocks may be shared
+            copied: list[int] = swapped[len(hits):]
+        else:
+            copied = self._host_hits(state, len(hits))
+            computed = (len(hits) + len(copied)) * bs
+        need = self.blocks_for(computed + num_new_tokens) - len(hits)
+        host.pin(copied, now)  # taking device blocks may spill to the host: keep these from being evicted
+        if not self._claim(hits, need, now):
+            host.unpin(copied, now)
+            return False
+        table = hits + [self._take(now) for _ in range(need)]
+        targets = table[len(hits):len(hits) + len(copied)]
+        if swapped is not None:
+            host.unpin(copied, now)
+            host.swap_in(state.id, targets, len(hits), now)
+        else:
+            host.load(copied, targets, now)
+            stats = host.stats
+            stats.admissions += 1
+            stats.host_hit_admissions += bool(copied)
+            stats.device_missed_blocks += max(0, min(len(state.block_hashes),
+                                                     (state.num_tokens - 1) // bs) - len(hits))
+        self._tables[state.id] = table
+        self._registered[state.id] = len(hits)
+        state.num_computed_tokens = computed
+        self.register_computed(state, now)
+        return True
+
+    def swap_out(self, state: RequestState, now: float) -> bool:
+        """Swap preemption: copy the blocks holding the request's computed tokens to the host tier and free its
+        device blocks; ``num_computed_tokens`` is kept for the swap-in. False (nothing done) without room."""
+        n = self.blocks_for(state.num_computed_tokens)
+        if self.host is None or n == 0 or n > self.host.num_free_blocks:
+            return False
+        blocks = self._tables[state.id][:n]
+        self.free(state, now)  # the blocks keep their content until this step's copies have run
+        return self.host.swap_out(state.id, blocks, now)
 
     def allocate(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
         """Grow a running request's table to hold ``num_new_tokens`` more tokens. All-or-nothing."""
@@ -170,6 +240,8 @@ class KVCacheManager:
             bid = self.eviction.victim()
             blk = self._items[bid]
             assert blk.ref_count == 0 and blk.hash is not None, f"eviction policy returned block {bid} in use"
+            if self.host is not None:
+                self.host.spill(blk, bid, now)  # the copy runs before this step writes the block
             del self._cached[blk.hash]
             blk.hash = None
             blk.num_hits = 0
@@ -209,7 +281,10 @@ class KVCacheManager:
             self._free.append(bid)
 
     def free(self, state: RequestState, now: float) -> None:
-        """Drop the request's references. Tail blocks go first so that equal-age evictions take tails first."""
+        """Drop the request's references (and its swapped-out host blocks). Tail blocks go first so that equal-age
+        evictions take tails first."""
+        if self.host is not None:
+            self.host.drop(state.id, now)
         table = self._tables.pop(state.id, None)
         self._registered.pop(state.id, None)
         if table is None:
@@ -247,3 +322,6 @@ class KVCacheManager:
         assert len(free) + n_fresh + n_evictable + sum(1 for b in made if b.ref_count > 0) == self.num_blocks
         for h, bid in self._cached.items():
             assert self._items[bid].hash == h
+        if self.host is not None:
+            self.host.check_invariants()
+            assert not self._tables.keys() & self.host.swapped_ids, "a request holds device and host blocks"

@@ -15,7 +15,10 @@ from collections.abc import Callable
 from core.batch import Batch
 from core.fast_forward import DecodeRun, finish_limit
 from core.interfaces import (
+    PREEMPTION_MODES,
+    SWAP,
     Executor,
+    PreemptionPolicy,
     ReplicaView,
     Scheduler,
     SchedulerLimits,
@@ -38,7 +41,7 @@ class ReplicaSchedulerView:
     queues and (privately) its KV cache manager."""
 
     __slots__ = ("now", "waiting", "running", "limits", "preempted", "blocked", "block_size", "_kv", "_allocate",
-                 "_speculation")
+                 "_speculation", "_preemption")
 
     def __init__(self, replica: Replica, now: float) -> None:
         self.now = now
@@ -51,10 +54,15 @@ class ReplicaSchedulerView:
         self._kv = replica.kv
         self._allocate = replica.kv.allocate  # bound once: allocate() runs for every running request every step
         self._speculation = replica.speculation
+        self._preemption = replica.preemption
 
     @property
     def num_free_blocks(self) -> int:
         return self._kv.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return 0 if self._kv.host is None else self._kv.host.num_free_blocks
 
     def lookup(self, state: RequestState) -> int:
         """Tokens of a waiting request the prefix cache would skip (no side effects)."""
@@ -79,14 +87,26 @@ class ReplicaSchedulerView:
         return self._allocate(state, num_tokens, self.now)
 
     def preempt(self, state: RequestState) -> None:
-        """Recompute preemption: drop the running request's KV and put it at the head of the waiting queue."""
+        """Preempt a running request to the head of the waiting queue, by swap or recompute as the replica's
+        ``PreemptionPolicy`` says (recompute without one, or when the host tier has no room)."""
         self.running.remove(state)
-        self._kv.free(state, self.now)
-        state.num_computed_tokens = 0
+        if not self._swap_out(state):
+            self._kv.free(state, self.now)
+            state.num_computed_tokens = 0
         state.num_preemptions += 1
         state.status = Status.PREEMPTED
         self.waiting.appendleft(state)
         self.preempted.append(state.id)
+
+    def _swap_out(self, state: RequestState) -> bool:
+        """True if the preemption policy chose swap and the host tier took the request's blocks."""
+        if self._preemption is None or self._kv.host is None:
+            return False
+        mode = self._preemption.mode(state, self)
+        if mode not in PREEMPTION_MODES:
+            raise RuntimeError(f"{type(self._preemption).__name__}.mode returned {mode!r}; "
+                               f"allowed: {list(PREEMPTION_MODES)}")
+        return mode == SWAP and self._kv.swap_out(state, self.now)
 
     def num_draft_tokens(self, state: RequestState) -> int:
         """Draft tokens for a decode of ``state`` this step (0 without a speculation policy); see SchedulerView."""
@@ -102,10 +122,12 @@ class ReplicaSchedulerView:
 
 class Replica:
     def __init__(self, index: int, scheduler: Scheduler, kv: KVCacheManager, limits: SchedulerLimits,
-                 on_terminal: OnTerminal | None = None, speculation: SpeculationPolicy | None = None) -> None:
+                 on_terminal: OnTerminal | None = None, speculation: SpeculationPolicy | None = None,
+                 preemption: PreemptionPolicy | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
         self.speculation = speculation  # speculative decoding: draft tokens per decode (None: off)
+        self.preemption = preemption  # swap or recompute per victim (None: recompute); needs kv.host to swap
         self.kv = kv
         self.limits = limits
         self.on_terminal: OnTerminal = on_terminal or (lambda state, now: None)
@@ -177,6 +199,9 @@ class Replica:
         view.now, view.preempted, view.blocked = now, [], None
         batch = self.scheduler.schedule(view)
         batch.preempted = view.preempted
+        host = self.kv.host
+        if host is not None and host.has_copies and not batch.empty:
+            batch.copies = host.take_copies()  # an empty batch runs nothing: its copies wait for the next step
         self._validate(batch)
         if batch.empty and not self.running and self.waiting and not self._sending:
             # Nothing runs and nothing will free memory: the blocked request can never be scheduled.
@@ -341,7 +366,8 @@ class Replica:
         the same decodes (``core.fast_forward``), else None. The caller ends it with ``end_decode_run`` before the
         next ``schedule``; in between, the run's ``start`` / ``done`` stand for schedule / execute / apply."""
         running = self.running
-        if not running or self._aborts or self._decode_run is not None \
+        # with a host tier a fast-forwarded allocation could spill evicted blocks, whose copies no batch would carry
+        if not running or self._aborts or self._decode_run is not None or self.kv.host is not None \
                 or len(running) > self.limits.max_num_batched_tokens:
             return None
         for state in running:

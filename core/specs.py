@@ -142,11 +142,16 @@ class HardwareSpec:
     interconnect_bw: float = 0.0  # bytes/s per direction between tensor-parallel peers (0: single device)
     peak_flops_int8: float = 0.0  # 0: same as peak_flops
     links: dict | None = None  # KV transfer link presets for PD disaggregation: name -> {bandwidth_bytes_s, latency_s}
+    host_link_bw: float = 0.0  # bytes/s per direction between device and host memory (host KV tier; 0: unknown)
+    host_link_latency_s: float = 0.0  # fixed cost of one batch of copies in one direction
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "mem_bw", "mem_bytes"):
             if float(getattr(self, key)) <= 0:
                 raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
+        for key in ("host_link_bw", "host_link_latency_s"):
+            if float(getattr(self, key)) < 0:
+                raise ValueError(f"hardware.{key} must be >= 0, got {getattr(self, key)}")
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> HardwareSpec:

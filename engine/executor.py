@@ -14,6 +14,7 @@ from core.checks import check_bool, check_choice, check_float, check_fraction, c
 from core.interfaces import BaseExecutor, StepOutput
 from core.specs import ModelSpec
 from engine.attention import allocate_kv_caches
+from engine.host_pool import HostKVPool
 from engine.loader import build_model
 from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
@@ -45,7 +46,7 @@ class EngineExecutor(BaseExecutor):
     """
 
     def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, clock: str = "wall",
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, host_pool: HostKVPool | None = None) -> None:
         self.clock = check_choice(clock, "engine_clock", STOPWATCHES)
         self.proposer = proposer  # speculative decoding: fills in the drafts the scheduler budgeted
         self.stopwatch = STOPWATCHES[clock]  # the loop adds schedule() time read on the same stopwatch
@@ -56,10 +57,15 @@ class EngineExecutor(BaseExecutor):
             raise ValueError(f"KV manager has {kv_manager.num_blocks} blocks, the KV cache tensors only "
                              f"{runner.kv_caches[0].k.shape[0]}")
         self.runner, self.kv_manager = runner, kv_manager
+        self.host_pool = host_pool  # host KV tier tensors (None: no host tier)
+        self.copy_s = 0.0  # measured time of the steps' block copies (part of their step durations)
+        self.copied_blocks = 0
 
     def execute(self, batch: Batch) -> StepOutput:
         _sync(self.runner.device)
         t0 = self.stopwatch()
+        if batch.copies:
+            self._copy(batch)
         if batch.features.num_draft_tokens:
             if self.proposer is None:
                 raise RuntimeError("the batch verifies draft tokens but the engine has no draft proposer (spec.method)")
@@ -69,6 +75,17 @@ class EngineExecutor(BaseExecutor):
             tokens, counts = self.runner.execute(batch, self.kv_manager.block_table), None
         _sync(self.runner.device)
         return StepOutput(tokens, self.stopwatch() - t0, counts)
+
+    def _copy(self, batch: Batch) -> None:
+        """The step's host-tier block copies, before its forward pass; their time counts in the step and is also
+        kept apart (``copy_s``)."""
+        if self.host_pool is None:
+            raise RuntimeError("the batch copies KV blocks to or from a host tier but the engine has no host pool")
+        t0 = self.stopwatch()
+        self.host_pool.apply(batch.copies)
+        _sync(self.runner.device)
+        self.copy_s += self.stopwatch() - t0
+        self.copied_blocks += len(batch.copies)
 
     def _sequence(self, chunk: Chunk) -> list[int]:
         """A request's prompt + outputs so far (what a proposer drafts from)."""
@@ -190,7 +207,8 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers:
     for kv in kv_managers:
         ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=options.device,
                                    dtype=options.torch_dtype, quant=options.quant, group_size=group,
-                                   kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock)
+                                   kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock,
+                                   host_blocks=kv.host.num_blocks if kv.host is not None else 0)
         model = ex.runner.model
         ex.warmup(options.warmup_steps, options.cuda_graphs)
         executors.append(ex)
@@ -201,8 +219,9 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
                           device: str = "cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                           group_size: int = 128, kv_dtype: str = "auto", seed: int = 0,
                           sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
-                          clock: str = "wall") -> EngineExecutor:
-    """One replica's executor, with KV tensors for the manager's pool. Pass ``model`` to share one set of weights
+                          clock: str = "wall", host_blocks: int = 0) -> EngineExecutor:
+    """One replica's executor, with KV tensors for the manager's pool (and a host pool of ``host_blocks`` blocks
+    for the manager's host tier, if it has one). Pass ``model`` to share one set of weights
     between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
     ``spec.path`` or random-initialised from ``seed``."""
     num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
@@ -214,7 +233,7 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
     caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)
     sampler = Sampler(sampling, seed=seed, device=model.device)
     runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)
-    return EngineExecutor(runner, kv_manager, clock)
+    return EngineExecutor(runner, kv_manager, clock, host_pool=HostKVPool(caches, host_blocks) if host_blocks else None)
 
 
 def build_draft_proposer(draft: ModelSpec, target: ModelRunner, num_blocks: int, *, dtype: torch.dtype | None = None,

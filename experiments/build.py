@@ -115,7 +115,11 @@ def check_memory(cfg: DictConfig, spec: ModelSpec, num_blocks: int, num_replicas
     else:
         key, shown = "kv.memory_fraction", f"{kv.memory_fraction} ({num_blocks} blocks)"
     # (where, bytes per block, bytes per replica besides its blocks, bytes once, bytes free)
-    checks = [("host memory", float(block_bookkeeping_bytes()), float(REPLICA_BYTES), 0.0,
+    host_blocks = num_host_blocks(cfg, spec)  # the host tier: its Block objects, and on the engine its tensors
+    host_tensor = arithmetic.kv_bytes_per_block(stored_spec(cfg, spec), int(kv.block_size), kv_bits(cfg)) \
+        if cfg.backend.name == "engine" else 0.0
+    checks = [("host memory", float(block_bookkeeping_bytes()),
+               float(REPLICA_BYTES) + host_blocks * (block_bookkeeping_bytes() + host_tensor), 0.0,
                available_memory_bytes() if available is None else available)]
     if cfg.backend.name == "engine":
         stored = stored_spec(cfg, spec)
@@ -245,11 +249,77 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
     sched_node, block_size = _without(sched, LIMIT_KEYS), check_int(cfg.kv.block_size, "kv.block_size", 1,
                                                                     whole_float=True)
     method = spec_method(cfg)
+    host_blocks = num_host_blocks(cfg, spec)
     return [Replica(i, instantiate_group(sched_node, "scheduler"),
                     KVCacheManager(num_blocks, block_size, instantiate_group(cfg.eviction, "eviction"),
-                                   cfg.kv.prefix_caching), limits,
-                    speculation=instantiate_group(cfg.spec.policy, "speculation") if method else None)
+                                   cfg.kv.prefix_caching, host_tier(cfg, host_blocks, block_size)), limits,
+                    speculation=instantiate_group(cfg.spec.policy, "speculation") if method else None,
+                    preemption=preemption_policy(cfg, spec, host_blocks))
             for i in range(n)]
+
+
+def num_host_blocks(cfg: DictConfig, spec: ModelSpec) -> int:
+    """Host KV tier size per replica: ``kv.host_memory_bytes`` worth of blocks (as the engine stores them), else
+    ``kv.host_blocks``; 0 (the default) is off."""
+    kv = cfg.kv
+    if kv.get("host_memory_bytes") is not None:
+        budget = check_float(kv.host_memory_bytes, "kv.host_memory_bytes")
+        return arithmetic.num_blocks_for_memory(stored_spec(cfg, spec), int(kv.block_size), budget, kv_bits(cfg))
+    return check_int(kv.get("host_blocks", 0) or 0, "kv.host_blocks", 0, whole_float=True)
+
+
+def host_tier(cfg: DictConfig, num_blocks: int, block_size: int) -> Any:
+    """One replica's host KV tier (None when off), with its own eviction policy (``kv.host_eviction``, a
+    conf/eviction option, default lru) for spilled prefix blocks."""
+    if not num_blocks:
+        return None
+    from core.host_tier import HostTier
+
+    name = str(cfg.kv.get("host_eviction") or "lru")
+    option = CONF_DIR / "eviction" / f"{name}.yaml"
+    if not option.is_file():
+        allowed = sorted(p.stem for p in option.parent.glob("*.yaml"))
+        raise ValueError(f"kv.host_eviction={name!r}; allowed: {allowed}")
+    spill = check_bool(cfg.kv.get("host_spill", True), "kv.host_spill")
+    return HostTier(num_blocks, block_size, instantiate_group(OmegaConf.load(option), "eviction"), spill)
+
+
+def preemption_policy(cfg: DictConfig, spec: ModelSpec, host_blocks: int) -> Any:
+    """The ``preemption`` group's policy (None when the config has no such group: recompute). Null arguments the
+    target takes are filled in from the model and hardware: ``kv_bytes_per_token``, ``host_link_bw``,
+    ``host_link_latency_s``, ``prefill_tokens_per_s`` (a roofline estimate at 50% MFU)."""
+    node = cfg.get("preemption")
+    if node is None:
+        return None
+    if not host_blocks and node.get("_target_") != "policies.preemption.recompute.RecomputePreemption":
+        raise ValueError(f"preemption._target_={node.get('_target_')!r} swaps to a host KV tier, which is off: "
+                         "set kv.host_blocks (or kv.host_memory_bytes) > 0, or preemption=recompute")
+    hw = hardware_spec(cfg)
+    known = {"kv_bytes_per_token": lambda: arithmetic.kv_bytes_per_token(stored_spec(cfg, spec), kv_bits(cfg)),
+             "host_link_bw": lambda: _host_link_bw(hw),
+             "host_link_latency_s": lambda: hw.host_link_latency_s,
+             "prefill_tokens_per_s": lambda: 0.5 * hw.peak_flops / arithmetic.linear_flops_per_token(spec)}
+    filled = {k: make() for k, make in known.items() if k in node and node[k] is None}
+    return instantiate_group(node, "preemption", **filled)
+
+
+def _host_link_bw(hw: HardwareSpec) -> float:
+    if hw.host_link_bw <= 0:
+        raise ValueError(f"hardware.host_link_bw is not set for {hw.name}: the host KV tier needs the device-host "
+                         "link bandwidth (bytes/s per direction)")
+    return hw.host_link_bw
+
+
+def host_link(cfg: DictConfig, spec: ModelSpec, replica: Replica) -> Any:
+    """The simulator's price of host-tier copies (None without a host tier)."""
+    kv = replica.kv
+    if kv.host is None:
+        return None
+    from core.host_tier import HostLink
+
+    hw = hardware_spec(cfg)
+    per_block = arithmetic.kv_bytes_per_block(stored_spec(cfg, spec), kv.block_size, kv_bits(cfg))
+    return HostLink(_host_link_bw(hw), hw.host_link_latency_s, per_block)
 
 
 SPEC_METHODS = (None, "ngram", "draft")
@@ -317,7 +387,8 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
         from sim.executor import CostModelExecutor
 
         cost = instantiate_group(cfg.cost_model, "cost_model")
-        return [CostModelExecutor(cost, speculation=sim_speculation(cfg, r.index)) for r in replicas]
+        return [CostModelExecutor(cost, speculation=sim_speculation(cfg, r.index), host_link=host_link(cfg, spec, r))
+                for r in replicas]
     if name == "engine":
         from engine.executor import EngineOptions, build_engine_executors
 

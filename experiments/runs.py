@@ -64,12 +64,31 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
                           backend_label, note, run_status=INTERRUPTED, plots=False, pd=pd_loop(loop))
         raise
     check_measured(cfg, result)
-    return write_run_dir(cfg, result, out_dir, backend_label, pd=pd_loop(loop))
+    return write_run_dir(cfg, result, out_dir, backend_label, host_tier_metrics(cfg, loop), pd=pd_loop(loop))
 
 
 def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
     """The loop of a ``cluster=pd`` run (its transfers go into the run files), else None."""
     return loop if isinstance(loop, PDServingLoop) else None
+
+
+def host_tier_metrics(cfg: DictConfig, loop: ServingLoop) -> dict[str, Any]:
+    """metrics.json's ``host_tier`` section, summed over replicas (``core.host_tier.HostTierStats.summary``);
+    no key when the host tier is off, so runs without one keep their metrics.json."""
+    from dataclasses import fields
+
+    from core.host_tier import HostTierStats
+
+    tiers = [r.kv.host for r in loop.replicas if r.kv.host is not None]
+    if not tiers:
+        return {}
+    total = HostTierStats()
+    for tier in tiers:
+        for f in fields(HostTierStats):
+            setattr(total, f.name, getattr(total, f.name) + getattr(tier.stats, f.name))
+    per_block = arithmetic.kv_bytes_per_block(stored_spec(cfg, model_spec(cfg)), tiers[0].block_size, kv_bits(cfg))
+    return {"host_tier": {"blocks_per_replica": tiers[0].num_blocks, "bytes_per_block": per_block,
+                          **total.summary(per_block)}}
 
 
 def check_measured(cfg: DictConfig, result: RunResult) -> None:

@@ -23,12 +23,12 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from core.interfaces import EvictionPolicy, Placement, Router, Scheduler, SpeculationPolicy, Workload
+from core.interfaces import EvictionPolicy, Placement, PreemptionPolicy, Router, Scheduler, SpeculationPolicy, Workload
 from sim.cost.base import CostModel
 
 GROUP_PROTOCOLS: dict[str, type] = {"workload": Workload, "scheduler": Scheduler, "eviction": EvictionPolicy,
                                     "router": Router, "cost_model": CostModel, "speculation": SpeculationPolicy,
-                                    "placement": Placement}
+                                    "placement": Placement, "preemption": PreemptionPolicy}
 
 
 def protocol_methods(protocol: type) -> tuple[str, ...]:

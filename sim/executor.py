@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from core.batch import Batch, StepFeatures
 from core.fast_forward import decode_features
+from core.host_tier import HostLink
 from core.interfaces import BaseExecutor, DecodeRun, StepOutput
 from sim.cost.base import CostModel, DecodeCostModel
 from sim.speculative import SpeculativeModel
@@ -18,16 +19,23 @@ class CostModelExecutor(BaseExecutor):
     per step (still exact).
     """
 
-    def __init__(self, cost_model: CostModel, token_id: int = 0, speculation: SpeculativeModel | None = None) -> None:
+    def __init__(self, cost_model: CostModel, token_id: int = 0, speculation: SpeculativeModel | None = None,
+                 host_link: HostLink | None = None) -> None:
         self.cost_model = cost_model
         self.token_id = token_id  # simulated outputs carry no content; EOS never fires in the simulator
         self._vectorised = isinstance(cost_model, DecodeCostModel)
         self.speculation = speculation  # accepted drafts and draft cost of speculative decodes
         # a speculative decode's tokens per step are drawn, so its steps are not a predictable decode run
         self.predicts_decodes = speculation is None
+        # host KV tier: a step's block copies run before its forward pass, serialised with it (core.host_tier)
+        self.host_link = host_link
 
     def execute(self, batch: Batch) -> StepOutput:
         duration = self.cost_model.step_time(batch.features)
+        if batch.copies:
+            if self.host_link is None:
+                raise RuntimeError("the batch copies KV blocks to or from a host tier; the simulator has no host link")
+            duration += self.host_link.copy_time(batch.copies)
         if not batch.features.num_draft_tokens:
             n = sum(1 for ch in batch.chunks if ch.samples)
             return StepOutput([self.token_id] * n, duration)
