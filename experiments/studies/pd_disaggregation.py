@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from core.metrics import SLO
@@ -51,51 +50,67 @@ def best_split(runs: Mapping[str, Mapping[float, dict]], rate: float, key: str) 
     return best, values[best]
 
 
+def workloads_of(cfg: DictConfig) -> dict[str, tuple[list[str], dict[str, SLO]]]:
+    """``study.workloads``: name -> (its overrides, its SLOs: its own ``slos`` or the study's). One unnamed workload,
+    the config's own, when absent."""
+    out = {}
+    for name, w in (cfg.study.get("workloads") or {"": {}}).items():
+        slos = slos_of(OmegaConf.create({"study": {"slos": w["slos"]}})) if w.get("slos") else slos_of(cfg)
+        out[str(name)] = (list(w.get("overrides") or []), slos)
+    return out
+
+
 def run(cfg: DictConfig, out: Path) -> Report:
     rep = Report("PD disaggregation: goodput against request rate")
     rep.text(f"Model {cfg.model.name} on {cfg.hardware.name} (DistServe's OPT-13B / A100 profile fits as the cost "
-             f"model, conf/study/pd_disaggregation.yaml); workload `{cfg.workload._target_}` for "
-             f"{cfg.workload.duration_s} s per rate; scheduler sarathi with a "
-             f"{cfg.scheduler.max_num_batched_tokens}-token budget on every replica; router "
-             f"{cfg.router._target_.rsplit('.', 1)[-1]}, placement {cfg.placement._target_.rsplit('.', 1)[-1]}. "
-             "Goodput: requests per second that finished within the SLO's TTFT and TPOT targets.")
-    curves: dict[str, dict[float, dict]] = {}
+             f"model, conf/study/pd_disaggregation.yaml); {cfg.workload.duration_s} s of Poisson arrivals per rate; "
+             f"scheduler sarathi with a {cfg.scheduler.max_num_batched_tokens}-token budget on every replica unless a "
+             f"split says otherwise; router {cfg.router._target_.rsplit('.', 1)[-1]}, placement "
+             f"{cfg.placement._target_.rsplit('.', 1)[-1]}. Goodput: requests per second that finished within the "
+             "SLO's TTFT and TPOT targets.")
     for backend, c in backends(cfg).items():
-        slos = slos_of(c)
-        rates = [float(x) for x in c.study.rates]
-        runs: dict[str, dict[float, dict]] = {}
-        for split, overrides in c.study.splits.items():
-            d = out / slug(backend) / slug(split)
-            variants = {f"rate={x:g}": [*overrides, f"{c.study.rate_key}={x!r}"] for x in rates}
-            res = run_variants(c, variants, d, derive=lambda k, m, run_dir, s=slos: slo_fields(m, run_dir, s))
-            runs[split] = {x: res[f"rate={x:g}"] for x in rates}
-            curves[split if backend == "sim" else f"{split} ({backend})"] = runs[split]
-        rep.text(f"## {backend}", "SLOs: " + "; ".join(
-            f"**{n}**: TTFT <= {s.ttft_s} s, TPOT <= {s.tpot_s} s" for n, s in slos.items()) + ".")
-        for name in slos:
-            key = f"slo_goodput.{name}"
-            wins = []
-            for x in rates:
-                best, value = best_split(runs, x, key)
-                src = f"{slug(backend)}/{slug(best)}/rate={x:g}/requests.csv"
-                wins.append(f"{x:g} req/s: {best} ({rep.number(f'{backend}.{name}.rate={x:g}.best', value, src)})")
-            rep.text(f"### Goodput (req/s), {name}", "Best per rate: " + "; ".join(wins) + ".")
-            rep.table(["split", *(f"{x:g} req/s" for x in rates)],
-                      [[s, *(fmt(get(by_rate[x], key)) for x in rates)] for s, by_rate in runs.items()])
-        rep.text(f"### Latency and transfers ({backend})")
-        rep.table(["split", "rate (req/s)", "TTFT p50 (s)", "TTFT p90 (s)", "TPOT p50 (ms)", "TPOT p90 (ms)",
-                   "transfer p99 (ms)", "decode-KV wait p99 (ms)", "completed"],
-                  [[s, f"{x:g}", fmt(get(m, "ttft_s.p50")), fmt(get(m, "ttft_s.p90")), fmt(get(m, "tpot_s.p50"), 1e3),
-                    fmt(get(m, "tpot_s.p90"), 1e3), fmt(get(m, "pd.transfer_s.p99"), 1e3),
-                    fmt(get(m, "pd.transfer_kv_wait_s.p99"), 1e3), f"{m['num_completed']}/{m['num_requests']}"]
-                   for s, by_rate in runs.items() for x, m in by_rate.items()])
-    names = list(slos_of(cfg))
-    panels = [*((f"slo_goodput.{n}", f"goodput, {n} (req/s)", 1.0) for n in names),
-              ("ttft_s.p90", "TTFT p90 (s)", 1.0), ("tpot_s.p90", "TPOT p90 (ms)", 1e3)]
-    targets = {"tpot_s.p90": (float(np.min([s.tpot_s for s in slos_of(cfg).values() if s.tpot_s])) * 1e3,
-                              "tightest TPOT target")}
-    fig = plots.metric_curves(curves, panels, out / "pd_disaggregation.png", "request rate (req/s)",
-                              targets=targets)
-    rep.figure(fig, "Goodput under each SLO, TTFT p90 and TPOT p90 against the offered rate, per split of the same "
-                    "GPUs (colocated replicas vs x prefill + y decode replicas)")
+        for workload, (workload_overrides, slos) in workloads_of(c).items():
+            where = f"{backend}, {workload}" if workload else backend
+            curves = _section(rep, c, out / slug(backend) / slug(workload or "default"), where, workload_overrides,
+                              slos)
+            panels = [*((f"slo_goodput.{n}", f"goodput, {n} (req/s)", 1.0) for n in slos),
+                      ("ttft_s.p90", "TTFT p90 (s)", 1.0), ("tpot_s.p90", "TPOT p90 (ms)", 1e3)]
+            tightest = min(s.tpot_s for s in slos.values() if s.tpot_s)
+            fig = plots.metric_curves(curves, panels, out / f"pd_disaggregation_{slug(where)}.png",
+                                      "request rate (req/s)", targets={"tpot_s.p90": (tightest * 1e3,
+                                                                                      "tightest TPOT target")})
+            rep.figure(fig, f"{where}: goodput under each SLO, TTFT p90 and TPOT p90 against the offered rate, per "
+                            "split of the same GPUs (colocated replicas vs x prefill + y decode replicas)")
     return rep
+
+
+def _section(rep: Report, c: DictConfig, d: Path, where: str, workload_overrides: list[str],
+             slos: Mapping[str, SLO]) -> dict[str, dict]:
+    """One backend and workload: every split at every rate; the goodput and latency tables. Returns the curves."""
+    rates = [float(x) for x in c.study.rates]
+    runs: dict[str, dict[float, dict]] = {}
+    for split, overrides in c.study.splits.items():
+        variants = {f"rate={x:g}": [*workload_overrides, *overrides, f"{c.study.rate_key}={x!r}"] for x in rates}
+        res = run_variants(c, variants, d / slug(split), derive=lambda k, m, run_dir, s=slos: slo_fields(m, run_dir, s))
+        runs[split] = {x: res[f"rate={x:g}"] for x in rates}
+    rep.text(f"## {where}", (f"Workload overrides: `{' '.join(workload_overrides)}`. " if workload_overrides else "")
+             + "SLOs: " + "; ".join(f"**{n}**: TTFT <= {s.ttft_s} s, TPOT <= {s.tpot_s} s" for n, s in slos.items())
+             + ".")
+    for name in slos:
+        key = f"slo_goodput.{name}"
+        wins = []
+        for x in rates:
+            best, value = best_split(runs, x, key)
+            src = f"{d.relative_to(d.parents[1])}/{slug(best)}/rate={x:g}/requests.csv"
+            wins.append(f"{x:g} req/s: {best} ({rep.number(f'{where}.{name}.rate={x:g}.best', value, src)})")
+        rep.text(f"### Goodput (req/s), {name}", "Best per rate: " + "; ".join(wins) + ".")
+        rep.table(["split", *(f"{x:g} req/s" for x in rates)],
+                  [[s, *(fmt(get(by_rate[x], key)) for x in rates)] for s, by_rate in runs.items()])
+    rep.text(f"### Latency and transfers ({where})")
+    rep.table(["split", "rate (req/s)", "TTFT p50 (s)", "TTFT p90 (s)", "TPOT p50 (ms)", "TPOT p90 (ms)",
+               "transfer p99 (ms)", "decode-KV wait p99 (ms)", "completed"],
+              [[s, f"{x:g}", fmt(get(m, "ttft_s.p50")), fmt(get(m, "ttft_s.p90")), fmt(get(m, "tpot_s.p50"), 1e3),
+                fmt(get(m, "tpot_s.p90"), 1e3), fmt(get(m, "pd.transfer_s.p99"), 1e3),
+                fmt(get(m, "pd.transfer_kv_wait_s.p99"), 1e3), f"{m['num_completed']}/{m['num_requests']}"]
+               for s, by_rate in runs.items() for x, m in by_rate.items()])
+    return runs
