@@ -19,7 +19,8 @@ step record per step when that event fires (a simulated clock calls ``DecodeRun.
 ``core.loop.Decodes``; another clock gets one ``Sleep`` per step): the clock's order of events -- between replicas
 whose steps end at the same float time, between a step and an arrival -- stays exactly the per-step order, so
 steps.csv, every router decision and every closed-loop follow-up are byte-identical to a per-step run. What a step
-costs is then a heap push and pop and a record instead of scheduling, pricing and applying a batch. (One event
+costs is then a heap push and pop and two appends (its end time, its place in the step log: the run's steps are
+one ``core.records.DecodeSteps``) instead of scheduling, pricing, applying and recording a batch. (One event
 per *run* instead would lose that order: two replicas in lockstep end steps at equal float times, and which comes
 first -- hence the order of steps.csv rows -- depends on when each step's event was created.)
 
@@ -46,13 +47,13 @@ from typing import TYPE_CHECKING
 
 from core.batch import StepFeatures
 from core.interfaces import Executor
-from core.records import StepLog
+from core.records import DecodeSteps, StepLog
 from core.request import RequestState
 
 if TYPE_CHECKING:
     from core.replica import Replica
 
-FIRST_CHUNK = 16  # steps priced by the first Executor.decode_run call; each further call doubles, up to MAX_CHUNK
+FIRST_CHUNK = 64  # steps priced by the first Executor.decode_run call; each further call doubles, up to MAX_CHUNK
 MAX_CHUNK = 1024
 
 
@@ -64,13 +65,14 @@ def decode_features(first: StepFeatures, m: int) -> StepFeatures:
 
 class DecodeRun:
     """Steps of a replica in steady decode, from the moment a step was applied after which every running request
-    decodes, in the scheduler's ``order`` (see the module docstring). ``core.loop`` drives it: ``start(now)``
-    before each step (its duration, or None: the run ends), ``done(...)`` when the step's clock event fires (its
-    step record); ``Replica.end_decode_run`` ends it."""
+    decodes, in the scheduler's ``order`` (see the module docstring). ``core.loop`` drives it: ``begin`` before
+    the first step, ``advance(now)`` when a step's clock event fires (it records that step, one int in the step
+    log, and starts the next: its duration, or None: the run ends); ``Replica.end_decode_run`` then ``close``
+    end it."""
 
     __slots__ = ("replica", "states", "first", "executor", "kv", "waiting", "waiting_len", "waiting_last",
                  "timeout", "min_arrival", "limit", "token", "durations", "ends", "synced", "m", "used_blocks",
-                 "index", "steps", "step_start", "step_duration", "_allocs", "_next_alloc", "_bs")
+                 "record", "step_start", "_row", "_allocs", "_next_alloc", "_bs")
 
     def __init__(self, replica: Replica, order: Sequence[RequestState], executor: Executor, limit: int) -> None:
         self.replica, self.executor, self.kv = replica, executor, replica.kv
@@ -88,7 +90,7 @@ class DecodeRun:
         self.waiting_len, self.waiting_last = len(waiting), (waiting[-1] if waiting else None)
         self.timeout = timeout = replica.limits.request_timeout_s
         self.min_arrival = min(s.request.arrival_s for s in (*states, *waiting)) if timeout is not None else 0.0
-        self.ends: list[float] = []  # end time of each completed step
+        self.ends: list[float] = []  # end time of each completed step (shared with the step log's record)
         self.synced = 0  # completed steps whose tokens are in the request states
         self.m = 0  # the next step to start (= steps started so far)
         # (step, chunk index): the next step at which a request needs a new KV block -- per step the scheduler
@@ -102,18 +104,26 @@ class DecodeRun:
         self.used_blocks = self.kv.num_used_blocks  # changes only by this run's allocations while it lasts
 
     def begin(self, index: int, steps: StepLog, now: float) -> float | None:
-        """Start the run at clock ``now`` on replica ``index``, its steps going to ``steps``: the first step's
-        duration, or None (the run does not even start)."""
-        self.index, self.steps = index, steps
-        self.step_start, self.step_duration = now, self.start(now)
-        return self.step_duration
+        """Start the run at clock ``now`` on replica ``index``, its steps going to ``steps`` (as one
+        ``DecodeSteps``): the first step's duration, or None (the run does not even start)."""
+        first = self.first
+        self.record = DecodeSteps(index, first.num_seqs, first.kv_tokens_read, first.max_context_len, now,
+                                  [(0, self.used_blocks)], self.ends, self.durations)
+        self._row = steps.add_run(self.record)
+        self.step_start = now
+        return self.start(now)
 
     def advance(self, end: float) -> float | None:
         """The current step ended at clock ``end``: record it and start the next; its duration, or None: the run
         is over (the replica goes back to schedule / execute / apply at this very moment)."""
-        self.done(self.index, self.step_start, self.step_duration, end)
-        self.step_start, self.step_duration = end, self.start(end)
-        return self.step_duration
+        self.ends.append(end)
+        self._row()
+        self.step_start = end
+        return self.start(end)
+
+    def close(self) -> None:
+        """The run is over and its tokens synced: its step log entry shrinks to its final size."""
+        self.record.close()
 
     def start(self, now: float) -> float | None:
         """Before step ``self.m`` at clock ``now``: its duration, its KV allocations made; None if the run ends."""
@@ -152,19 +162,12 @@ class DecodeRun:
             if nxt < self.limit:
                 heapq.heappush(allocs, (nxt, i))
         self.used_blocks += len(due)
+        blocks = self.record.blocks  # from step m on (an allocation at step 0 replaces the initial count)
+        if blocks[-1][0] == m:
+            blocks.pop()
+        blocks.append((m, self.used_blocks))
         self._next_alloc = allocs[0][0] if allocs else self.limit
         return True
-
-    def done(self, replica: int, start: float, duration: float, end: float) -> None:
-        """The step started last (at ``start``, lasting ``duration``) ended at clock ``end``: record it (its values
-        straight into the step log: no StepRecord or StepFeatures object per fast-forwarded step)."""
-        m = self.m - 1  # the step started last
-        self.ends.append(end)
-        first = self.first
-        n = first.num_seqs
-        self.steps.add(replica, start, duration,
-                       (n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m, 0),
-                       self.used_blocks, 0)
 
     def sync(self) -> None:
         """Put the tokens of the completed steps into the request states (bulk append)."""

@@ -232,7 +232,8 @@ class ServingLoop:
             if self.keep_batches:
                 self.batches.append(batch)
             if self.on_step:
-                record = self.steps[-1]
+                record = StepRecord(i, start, duration, batch.features, replica.kv.num_used_blocks,
+                                    len(batch.preempted))
                 for listener in self.on_step:
                     listener(i, batch, record)
             if fast and not self.on_step and not self.keep_batches:
@@ -257,6 +258,7 @@ class ServingLoop:
         finally:
             self.fast_forwarded_steps += len(run.ends)
             replica.end_decode_run()
+            run.close()
 
     def _terminal(self, state: RequestState, now: float) -> None:
         self.executors[state.replica].release(state.id)
@@ -265,3 +267,4 @@ class ServingLoop:
         nxt = self.workload.on_finish(state, now)
         if nxt is not None:
             self.clock.start(self._delayed(nxt))
+        state.compact()  # every listener has seen it: the run keeps it, in less memory

@@ -23,7 +23,6 @@ import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -47,7 +46,6 @@ class RequestMetrics:
     max_stall_s: float | None
     queue_s: float | None
     prefill_span_s: float | None
-    itl_s: tuple[float, ...]
 
 
 def output_events(token_times: Sequence[float]) -> list[tuple[float, int]]:
@@ -78,49 +76,114 @@ def float_times(times: Sequence[float]) -> np.ndarray | None:
     return None
 
 
-def _event_stats(times: Sequence[float]) -> tuple[float | None, tuple[float, ...]] | None:
-    """(max stall, ITL samples) with numpy, the same IEEE operations as the Python definition; None when the
-    times are not plain finite floats (the Python path decides)."""
-    t = float_times(times)
-    if t is None or not np.isfinite(t).all():
+@dataclass(frozen=True)
+class TokenStats:
+    """The per-token metrics of many requests: each one's max stall (None without tokens), and every ITL sample,
+    request after request, in one float64 array (8 bytes a token: exact percentiles and means need them all) with
+    how many belong to each request."""
+
+    max_stall_s: list[float | None]
+    itl_s: np.ndarray
+    itl_counts: np.ndarray
+
+
+_CHUNK_TOKENS = 1 << 16  # token times handled at once by token_stats: its scratch memory stays bounded
+
+
+def token_stats(states: Sequence[RequestState], itl_of: Sequence[bool] | None = None) -> TokenStats:
+    """``TokenStats`` of ``states`` (ITL samples only of those ``itl_of`` marks; all without it), with numpy over
+    the token times of many requests at a time: the same IEEE operations as the definition (``output_events``,
+    ``itl_samples``), which decides for times that are not plain finite floats."""
+    stalls: list[float | None] = []
+    itls: list[np.ndarray] = []
+    counts = np.zeros(len(states), dtype=np.int64)
+    lo = 0
+    while lo < len(states):
+        hi, n = lo, 0
+        while hi < len(states) and (n == 0 or n + len(states[hi].token_times) <= _CHUNK_TOKENS):
+            n += len(states[hi].token_times)
+            hi += 1
+        keep = np.ones(hi - lo, dtype=bool) if itl_of is None else np.array(itl_of[lo:hi], dtype=bool)
+        chunk = _chunk_stats(states[lo:hi], keep)
+        if chunk is None:  # a time that is not a plain finite float: the definition, request by request
+            for i, s in enumerate(states[lo:hi]):
+                events = output_events(s.token_times)
+                gaps = [t1 - t0 for (t0, _), (t1, _) in zip(events, events[1:], strict=False)]
+                stalls.append(max(gaps, default=0.0) if events else None)
+                if keep[i]:
+                    itl = itl_samples(events)
+                    itls.append(np.array(itl, dtype=np.float64))
+                    counts[lo + i] = len(itl)
+        else:
+            stalls += chunk[0]
+            itls.append(chunk[1])
+            counts[lo:hi] = chunk[2]
+        lo = hi
+    return TokenStats(stalls, np.concatenate(itls) if itls else np.empty(0), counts)
+
+
+def _chunk_stats(states: Sequence[RequestState], keep: np.ndarray) -> tuple[list, np.ndarray, np.ndarray] | None:
+    """(max stalls, ITL samples of the ``keep`` requests, their counts) of a few requests at once; None when a
+    time is not a plain finite float."""
+    arrays = [float_times(s.token_times) for s in states]
+    if any(a is None for a in arrays):
         return None
-    if not len(t):
-        return None, ()
-    new = np.empty(len(t), dtype=bool)
-    new[0] = True
-    new[1:] = t[1:] != t[:-1]
+    lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    t = np.concatenate(arrays) if arrays else np.empty(0)
+    if not np.isfinite(t).all():
+        return None
+    owner = np.repeat(np.arange(len(arrays)), lens)
+    new = np.ones(len(t), dtype=bool)  # an event starts at each request's first token and at each new time
+    new[1:] = (t[1:] != t[:-1]) | (owner[1:] != owner[:-1])
     first = np.flatnonzero(new)
-    k = np.diff(np.append(first, len(t)))[1:]
-    gaps = np.diff(t[first])
-    stall = float(gaps.max()) if len(gaps) else 0.0
-    return stall, tuple(np.repeat(gaps / k, k).tolist())
+    k = np.diff(np.append(first, len(t)))  # tokens per event
+    ev_owner = owner[first]
+    later = np.flatnonzero(ev_owner[1:] == ev_owner[:-1]) + 1  # events after the first of their request
+    gaps = t[first[later]] - t[first[later - 1]]
+    gap_owner = ev_owner[later]
+    stall = np.zeros(len(arrays))  # a request with one event: 0.0
+    if len(gaps):
+        seg = np.flatnonzero(np.r_[True, gap_owner[1:] != gap_owner[:-1]])  # each request's first gap
+        stall[gap_owner[seg]] = np.maximum.reduceat(gaps, seg)
+    stalls = [None if n == 0 else v for n, v in zip(lens.tolist(), stall.tolist(), strict=True)]
+    kept = keep[gap_owner]
+    itl = np.repeat(gaps[kept] / k[later][kept], k[later][kept])
+    counts = np.bincount(gap_owner[kept], weights=k[later][kept], minlength=len(arrays)).astype(np.int64)
+    return stalls, itl, counts
 
 
-def request_metrics(state: RequestState) -> RequestMetrics:
+def request_metrics(state: RequestState, max_stall_s: float | None = None, stall_known: bool = False
+                    ) -> RequestMetrics:
+    """One request's metrics (``max_stall_s`` from ``token_stats`` when ``stall_known``)."""
     a, st = state.request.arrival_s, state
     ttft = None if st.first_token_s is None else st.first_token_s - a
     done = st.status is Status.FINISHED and st.finish_s is not None
     e2e = st.finish_s - a if done else None
     n = st.num_output_tokens
     tpot = (e2e - ttft) / (n - 1) if done and ttft is not None and n > 1 else None
-    fast = _event_stats(st.token_times) if len(st.token_times) > 8 else None
+    if not stall_known:
+        max_stall_s = token_stats([state], [False]).max_stall_s[0]
     queue = None if st.first_scheduled_s is None else st.first_scheduled_s - a
     span = None if st.first_token_s is None or st.first_scheduled_s is None else st.first_token_s - st.first_scheduled_s
-    if fast is not None:
-        return RequestMetrics(ttft, tpot, e2e, fast[0], queue, span, fast[1])
-    events = output_events(st.token_times)
-    gaps = [t1 - t0 for (t0, _), (t1, _) in zip(events, events[1:], strict=False)]
-    stall = max(gaps, default=0.0) if events else None
-    return RequestMetrics(ttft, tpot, e2e, stall, queue, span, tuple(itl_samples(events)))
+    return RequestMetrics(ttft, tpot, e2e, max_stall_s, queue, span)
 
 
-def percentile(values: Iterable[float], p: float, method: str = "nearest_rank") -> float | None:
-    """Nearest-rank (the smallest value with at least p% of the sample at or below it) or linear interpolation."""
+def many_request_metrics(states: Sequence[RequestState], itl_of: Sequence[bool] | None = None
+                         ) -> tuple[list[RequestMetrics], TokenStats]:
+    """``request_metrics`` of each state, and their ``token_stats`` (ITL samples of those ``itl_of`` marks)."""
+    tokens = token_stats(states, itl_of)
+    return [request_metrics(s, m, True) for s, m in zip(states, tokens.max_stall_s, strict=True)], tokens
+
+
+def percentile(values: Iterable[float], p: float, method: str = "nearest_rank", is_sorted: bool = False
+               ) -> float | None:
+    """Nearest-rank (the smallest value with at least p% of the sample at or below it) or linear interpolation.
+    ``is_sorted``: ``values`` is an ascending float64 array (not sorted again)."""
     check_choice(method, "percentile_method", PERCENTILE_METHODS)
     if not 0 <= p <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {p}")
-    x = np.sort(values if isinstance(values, np.ndarray) and values.dtype == np.float64
-                else np.asarray(list(values), dtype=np.float64))
+    x = values if is_sorted else np.sort(values if isinstance(values, np.ndarray) and values.dtype == np.float64
+                                         else np.asarray(list(values), dtype=np.float64))
     if x.size == 0:
         return None
     if method == "linear":
@@ -132,14 +195,19 @@ def percentile(values: Iterable[float], p: float, method: str = "nearest_rank") 
 
 
 def stats(values: Iterable[float], method: str = "nearest_rank",
-          percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
-    """count, mean, min, max and the requested percentiles (``p50``...); None values when empty."""
+          percentiles: Sequence[float] = DEFAULT_PERCENTILES, own: bool = False) -> dict[str, Any]:
+    """count, mean, min, max and the requested percentiles (``p50``...); None values when empty. ``own``: ``values``
+    is a float64 array nobody else reads, sorted in place (no copy of a pooled ITL array)."""
     x = values if isinstance(values, np.ndarray) and values.dtype == np.float64 \
         else np.asarray([v for v in values if v is not None], dtype=np.float64)
     out: dict[str, Any] = {"count": int(x.size), "mean": float(x.mean()) if x.size else None,
                            "min": float(x.min()) if x.size else None, "max": float(x.max()) if x.size else None}
+    if own:
+        x.sort()
+    else:
+        x = np.sort(x)
     for p in percentiles:
-        out[f"p{p:g}"] = percentile(x, p, method)
+        out[f"p{p:g}"] = percentile(x, p, method, is_sorted=True)
     return out
 
 
@@ -185,19 +253,21 @@ class SLO:
         return all(limit is None or value is None or value <= limit for limit, value in checks)
 
 
-def _latency(pairs: list[tuple[RequestState, RequestMetrics]], method: str,
-             percentiles: Sequence[float]) -> dict[str, Any]:
+Pairs = list[tuple[RequestState, RequestMetrics]]
+
+
+def _latency(pairs: Pairs, itl: np.ndarray, method: str, percentiles: Sequence[float]) -> dict[str, Any]:
+    """Latency stats of the completed requests of ``pairs``; ``itl``: their ITL samples (a float64 array of this
+    group's own, sorted in place)."""
     done = [m for s, m in pairs if s.status is Status.FINISHED]
     out = {k: stats((getattr(m, k) for m in done), method, percentiles) for k in LATENCY_KEYS if k != "itl_s"}
-    out["itl_s"] = stats(np.fromiter(chain.from_iterable(m.itl_s for m in done), dtype=np.float64), method,
-                         percentiles)
+    out["itl_s"] = stats(itl, method, percentiles, own=True)
     return out
 
 
-def _group(pairs: list[tuple[RequestState, RequestMetrics]], method: str,
-           percentiles: Sequence[float]) -> dict[str, Any]:
+def _group(pairs: Pairs, itl: np.ndarray, method: str, percentiles: Sequence[float]) -> dict[str, Any]:
     return {"num_requests": len(pairs), "num_completed": sum(s.status is Status.FINISHED for s, _ in pairs),
-            **_latency(pairs, method, percentiles)}
+            **_latency(pairs, itl, method, percentiles)}
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -228,8 +298,17 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
 
     all_states = list(states)
     measured = [s for s in all_states if not s.request.warmup]
-    pairs = [(s, request_metrics(s)) for s in measured]
+    finished = [s.status is Status.FINISHED for s in measured]
+    per_request, tokens = many_request_metrics(measured, finished)  # ITL samples of completed requests only
+    pairs = list(zip(measured, per_request, strict=True))
     done = [(s, m) for s, m in pairs if s.status is Status.FINISHED]
+
+    def group(members: np.ndarray) -> dict[str, Any]:
+        """Stats of the requests ``members`` marks, with their own ITL samples (a copy, in request order)."""
+        itl = tokens.itl_s[np.repeat(members, tokens.itl_counts)]
+        return _group([p for p, k in zip(pairs, members.tolist(), strict=True) if k], itl, percentile_method,
+                      percentiles)
+
     counts = {st.value: 0 for st in Status}
     for s in measured:
         counts[s.status.value] += 1
@@ -245,9 +324,9 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
     h = np.array([s.num_cached_tokens for s in measured], dtype=np.float64)
     lens = np.array([s.request.prompt_len for s in measured], dtype=np.int64)
     bucket = np.searchsorted(np.asarray(edges), lens, side="right")
-    prompt_groups = {label: _group([p for p, k in zip(pairs, bucket, strict=True) if k == i],
-                                   percentile_method, percentiles)
-                     for i, label in enumerate(bucket_labels(edges))}
+    prompt_groups = {label: group(bucket == i) for i, label in enumerate(bucket_labels(edges))}
+    hit = h > 0
+    prefix_groups = {"hit": group(hit), "miss": group(~hit)}
 
     return {
         "num_requests": len(measured),
@@ -259,7 +338,7 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
         "counts_by_status": counts,
         "duration_s": float(duration) if measured else None,
         "percentile_method": percentile_method,
-        **_latency(pairs, percentile_method, percentiles),
+        **_latency(pairs, tokens.itl_s, percentile_method, percentiles),
         "slo": asdict(slo),
         "num_slo_met": int(n_met),
         "slo_attainment": _ratio(n_met, len(measured)),
@@ -278,9 +357,7 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
         "stall_share_over_threshold": None if threshold is None else _ratio(sum(x > threshold for x in stalls),
                                                                              len(stalls)),
         "groups": {
-            "prefix": {"hit": _group([p for p in pairs if p[0].num_cached_tokens > 0], percentile_method, percentiles),
-                       "miss": _group([p for p in pairs if p[0].num_cached_tokens == 0], percentile_method,
-                                      percentiles)},
+            "prefix": prefix_groups,
             "prompt_len": prompt_groups,
         },
         "prompt_len_edges": edges,

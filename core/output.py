@@ -44,7 +44,7 @@ import numpy as np
 
 from core.batch import StepFeatures
 from core.checks import check_choice
-from core.metrics import float_times, output_events, request_metrics
+from core.metrics import RequestMetrics, float_times, many_request_metrics, output_events, request_metrics
 from core.records import StepLog, StepRecord
 from core.request import RequestState
 
@@ -114,8 +114,9 @@ def dumps_metrics(metrics: Mapping[str, Any]) -> str:
     return json.dumps(jsonable(metrics), sort_keys=True, indent=2, allow_nan=False) + "\n"
 
 
-def request_row(state: RequestState) -> list[Any]:
-    r, m = state.request, request_metrics(state)
+def request_row(state: RequestState, m: RequestMetrics | None = None) -> list[Any]:
+    """requests.csv's row of ``state`` (``m``: its metrics, when already computed)."""
+    r, m = state.request, m or request_metrics(state)
     return [r.id, state.replica, r.tenant, r.arrival_s, state.first_scheduled_s, state.first_token_s, state.finish_s,
             r.prompt_len, state.num_output_tokens, state.num_cached_tokens, state.num_preemptions, state.status,
             m.ttft_s, m.tpot_s, m.e2e_s, m.max_stall_s, state.reason, r.warmup]
@@ -127,7 +128,8 @@ Column = list | np.ndarray
 
 def request_columns(states: Sequence[RequestState]) -> list[Column]:
     """requests.csv's columns (``REQUEST_COLUMNS``) of ``states`` in the order given (``request_row`` per state)."""
-    rows = [request_row(s) for s in states]
+    metrics, _ = many_request_metrics(states, [False] * len(states))
+    rows = [request_row(s, m) for s, m in zip(states, metrics, strict=True)]
     return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in REQUEST_COLUMNS]
 
 

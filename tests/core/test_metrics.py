@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from core.metrics import (
     SLO,
     bucket_labels,
+    itl_samples,
     output_events,
     percentile,
     prefix_cost_coeffs,
@@ -37,20 +38,20 @@ def test_request_metrics_by_hand():
     m = request_metrics(mk(arrival=1.0, sched=1.5, times=(2.0, 2.25, 2.75, 3.0)))
     assert m.ttft_s == 1.0 and m.e2e_s == 2.0 and m.queue_s == 0.5 and m.prefill_span_s == 0.5
     assert m.tpot_s == pytest.approx(1 / 3)
-    assert m.itl_s == (0.25, 0.5, 0.25) and m.max_stall_s == 0.5
+    assert itl_samples(output_events((2.0, 2.25, 2.75, 3.0))) == [0.25, 0.5, 0.25] and m.max_stall_s == 0.5
 
 
 def test_multi_token_events_split_their_gap():
     times = (1.0, 2.0, 2.0, 2.0, 3.0)
     assert output_events(times) == [(1.0, 1), (2.0, 3), (3.0, 1)]
     m = request_metrics(mk(sched=0.5, times=times))
-    assert m.itl_s == pytest.approx((1 / 3, 1 / 3, 1 / 3, 1.0)) and m.max_stall_s == 1.0
+    assert itl_samples(output_events(times)) == pytest.approx((1 / 3, 1 / 3, 1 / 3, 1.0)) and m.max_stall_s == 1.0
     assert m.tpot_s == pytest.approx((3.0 - 1.0) / 4)
 
 
 def test_single_token_and_unfinished_requests():
     one = request_metrics(mk(arrival=0.0, sched=0.1, times=(0.5,)))
-    assert one.tpot_s is None and one.max_stall_s == 0.0 and one.itl_s == () and one.e2e_s == 0.5
+    assert one.tpot_s is None and one.max_stall_s == 0.0 and  one.e2e_s == 0.5
     rej = request_metrics(mk(status=Status.REJECTED, finish=0.0))
     assert (rej.ttft_s, rej.e2e_s, rej.max_stall_s, rej.queue_s) == (None, None, None, None)
     late = request_metrics(mk(sched=1.0, times=(2.0, 3.0), status=Status.TIMED_OUT, finish=5.0))

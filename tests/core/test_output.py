@@ -137,11 +137,11 @@ def test_a_crash_mid_write_leaves_no_file_that_reads_as_complete(tmp_path, monke
     (run_dir / "step_timeline.png").write_bytes(b"old plot")
     real, rows = output.request_row, []
 
-    def dying_row(state):
+    def dying_row(state, m=None):
         if len(rows) == 2:
             raise KeyboardInterrupt
         rows.append(state.id)
-        return real(state)
+        return real(state, m)
 
     monkeypatch.setattr(output, "request_row", dying_row)
     states = _states()

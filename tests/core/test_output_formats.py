@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import core.output as output
-from core.metrics import itl_samples, output_events, request_metrics, summarize
+from core.metrics import itl_samples, output_events, request_metrics, summarize, token_stats
 from core.output import (
     RUN_FILES,
     TOKEN_COLUMNS,
@@ -114,7 +114,9 @@ def test_request_metrics_numpy_path_is_the_definition(steps):
     m = request_metrics(s)
     events = output_events(times)
     gaps = [t1 - t0 for (t0, _), (t1, _) in zip(events, events[1:], strict=False)]
-    assert m.itl_s == tuple(itl_samples(events)) and m.max_stall_s == max(gaps, default=0.0)
+    assert m.max_stall_s == max(gaps, default=0.0)
+    pooled = token_stats([s, s], [True, False])
+    assert pooled.itl_s.tolist() == itl_samples(events) and list(pooled.itl_counts) == [len(pooled.itl_s), 0]
 
 
 def test_add_tokens_keeps_a_flat_array():
@@ -184,10 +186,10 @@ def test_a_crash_mid_write_keeps_parquet_as_partial(tmp_path, monkeypatch):
     write_run(run_dir, states, _steps(), summarize(states))  # an earlier CSV run in the same directory
     real = output.request_row
 
-    def dying_row(state):
+    def dying_row(state, m=None):
         if state.id == "a":
             raise KeyboardInterrupt
-        return real(state)
+        return real(state, m)
 
     monkeypatch.setattr(output, "request_row", dying_row)
     with pytest.raises(KeyboardInterrupt):

@@ -137,3 +137,23 @@ def test_cost_aware_weights_hits():
 def test_cost_aware_rejects_bad_coefficients():
     with pytest.raises(ValueError, match="eviction.a"):
         CostAwareEviction(a=-1.0)
+
+
+@pytest.mark.parametrize("keys", [[1, 1, 2, 3, 5, 8, 8, 9, 12, 20], [1, 2, 3, 4, 0.5, 6, 0, 7, 7, 1]])
+def test_sorted_queue_evicts_in_heap_order(keys):
+    """KeyedEviction's FIFO queue (keys non-decreasing, as LRU's clock) and the heap it turns into at the first
+    smaller key evict by (key, order of becoming evictable), hits taking blocks out, as the definition says."""
+    policy, victims = LRUEviction(), []  # LRU's key is the ``now`` it is given
+    evictable, ref = {}, []  # the definition: block id -> (key, sequence), and its victims
+    for i, k in enumerate(keys):  # block i becomes evictable with key k; every third step hits the one before
+        policy.on_free(Block(i, size=BS), k)
+        evictable[i] = (k, i)
+        if i % 3 == 2:
+            policy.on_hit(Block(i - 1, size=BS), k)
+            evictable.pop(i - 1)
+        if i % 4 == 3:
+            victims.append(policy.victim())
+            ref.append(min(evictable, key=evictable.get))
+            evictable.pop(ref[-1])
+    victims += [policy.victim() for _ in range(len(policy))]
+    assert victims == ref + sorted(evictable, key=evictable.get) and len(policy) == 0

@@ -272,3 +272,45 @@ def test_heap_clock_matches_simpy(replicas):
     results = [outcome(simulate(loop_for(reqs, replicas=replicas, num_blocks=60, fast_forward=ff), clock=clk))
                for ff, clk in ((False, "simpy"), (False, "heap"), (True, "simpy"), (True, "heap"))]
     assert all(r == results[0] for r in results)
+
+
+def test_memory_per_output_token_is_its_time_alone():
+    """A finished run keeps about 8 bytes a token (its time; the simulator's ids compact to one RepeatedTokens)
+    plus a few bytes a fast-forwarded step (its place in the step log, end time and duration, not a row of values):
+    about 14 bytes per extra output token at 16 decodes a step, where ids, times and step rows took 28."""
+    import gc
+    import tracemalloc
+
+    def retained(out: int) -> tuple[int, int]:
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        res = simulate(loop_for(decode_heavy(n=16, out=out), num_blocks=4000))
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        assert all(type(s.output_token_ids).__name__ == "RepeatedTokens" for s in res.states)
+        return used, sum(s.num_output_tokens for s in res.states)
+
+    small, large = retained(100), retained(900)
+    per_token = (large[0] - small[0]) / (large[1] - small[1])
+    assert per_token < 16, per_token
+
+
+def test_compact_keeps_the_outputs():
+    """RequestState.compact: ids all one token become a RepeatedTokens equal to the list (len, index, slice,
+    iteration); any other ids stay as they are."""
+    from core.request import RepeatedTokens, RequestState
+
+    s = RequestState(Request("a", 0.0, 4, 10))
+    s.add_tokens([7, 7, 7], [0.5, 0.75, 1.0])
+    s.compact()
+    out = s.output_token_ids
+    assert isinstance(out, RepeatedTokens) and out == [7, 7, 7] and out != [7, 7]
+    assert [7, 7, 7] == out  # noqa: SIM300 - the list on the left: its __eq__ defers to RepeatedTokens
+    assert len(out) == s.num_output_tokens == 3 and out[-1] == 7 and out[1:] == [7, 7] and list(out) == [7, 7, 7]
+    assert s.num_tokens == 7
+    mixed = RequestState(Request("b", 0.0, 4, 10))
+    mixed.add_tokens([1, 2], 0.5)
+    mixed.compact()
+    assert mixed.output_token_ids == [1, 2] and type(mixed.output_token_ids) is list
