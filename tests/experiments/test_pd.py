@@ -90,3 +90,26 @@ def test_user_placement_by_target(tmp_path, monkeypatch):
     loop = build_loop(cfg)
     assert type(loop.placement).__name__ == "LongPromptPlacement" and loop.placement.long_prompt == 64
     assert run(cfg, tmp_path)["pd"]["num_transfers"] == 10
+
+
+def test_pd_study_goodput_is_read_from_its_runs(tmp_path):
+    """The PD study at tiny scale, read independently: every (workload, split, rate) ran, and a goodput the summary
+    reports is the count of FINISHED requests within both targets of that workload's SLO over the run's duration."""
+    import json
+
+    import pandas as pd
+
+    from tests.experiments.test_studies import run_tiny
+
+    out = run_tiny("pd_disaggregation", tmp_path)
+    runs = sorted((out / "sim").glob("*/*/rate=*/metrics.json"))
+    assert len(runs) == 2 * 6 * 2  # workloads x splits x rates
+    run = out / "sim" / "summarization_arXiv" / "2P2D" / "rate=4"
+    r = pd.read_csv(run / "requests.csv")
+    m = json.loads((run / "metrics.json").read_text())
+    ok = (r.status == "FINISHED") & (r.ttft_s <= 1.0) & ~(r.tpot_s > 0.035)  # tight TPOT, summarization's SLO
+    summary = (out / "summary.md").read_text()
+    assert f"{ok.sum() / m['duration_s']:.4g}" in summary
+    moved = r.transfer_end_s.notna()  # the first token reaches the client when its KV transfer ends
+    assert moved.any() and (r.first_token_s[moved] - r.transfer_end_s[moved]).abs().max() < 1e-9
+    assert len(list(out.glob("pd_disaggregation_*.png"))) == 2
