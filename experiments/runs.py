@@ -87,8 +87,11 @@ def host_tier_metrics(cfg: DictConfig, loop: ServingLoop) -> dict[str, Any]:
         for f in fields(HostTierStats):
             setattr(total, f.name, getattr(total, f.name) + getattr(tier.stats, f.name))
     per_block = arithmetic.kv_bytes_per_block(stored_spec(cfg, model_spec(cfg)), tiers[0].block_size, kv_bits(cfg))
+    # the steps' copy time, inside their durations: the engine measures it, the simulator prices it on the host link
+    copy_s = sum(getattr(ex, "copy_s", 0.0) for ex in loop.executors)
     return {"host_tier": {"blocks_per_replica": tiers[0].num_blocks, "bytes_per_block": per_block,
-                          **total.summary(per_block)}}
+                          **total.summary(per_block), "copy_s": copy_s,
+                          "copy_time": "measured" if cfg.backend.name == "engine" else "priced"}}
 
 
 def check_measured(cfg: DictConfig, result: RunResult) -> None:

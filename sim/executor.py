@@ -29,13 +29,16 @@ class CostModelExecutor(BaseExecutor):
         self.predicts_decodes = speculation is None
         # host KV tier: a step's block copies run before its forward pass, serialised with it (core.host_tier)
         self.host_link = host_link
+        self.copy_s = 0.0  # priced time of the steps' block copies (part of their step durations)
 
     def execute(self, batch: Batch) -> StepOutput:
         duration = self.cost_model.step_time(batch.features)
         if batch.copies:
             if self.host_link is None:
                 raise RuntimeError("the batch copies KV blocks to or from a host tier; the simulator has no host link")
-            duration += self.host_link.copy_time(batch.copies)
+            copy_s = self.host_link.copy_time(batch.copies)
+            self.copy_s += copy_s
+            duration += copy_s
         if not batch.features.num_draft_tokens:
             n = sum(1 for ch in batch.chunks if ch.samples)
             return StepOutput([self.token_id] * n, duration)
