@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from functools import partial
 from typing import Any
 
 from core.kv_cache import Block
@@ -33,12 +32,22 @@ class KeyedEviction:
         pass
 
     def on_hit(self, block: Block, now: float) -> None:
-        self._entry.pop(block.id, None)
+        entries = self._entry
+        # an evictable block's queue entry is dead now; hits are the only source of dead entries, so this is where
+        # they are dropped once they outnumber the live ones (bounded memory; the order of victims is unchanged)
+        if entries.pop(block.id, None) is not None and len(self._queue) > 2 * len(entries) + 64:
+            live = [e for e in self._queue if entries.get(e[2]) == e[1]]
+            if self._sorted:
+                self._queue = deque(live)
+            else:
+                heapq.heapify(live)
+                self._queue = live
 
     def on_free(self, block: Block, now: float) -> None:
-        self._seq += 1
-        self._entry[block.id] = self._seq
-        entry, queue = (self.key(block, now), self._seq, block.id), self._queue
+        seq = self._seq = self._seq + 1
+        entries, queue = self._entry, self._queue  # locals: this runs for every cached block a request frees
+        entries[block.id] = seq
+        entry = (self.key(block, now), seq, block.id)
         if not self._sorted:
             heapq.heappush(queue, entry)
         elif queue and entry[0] < queue[-1][0]:
@@ -47,19 +56,11 @@ class KeyedEviction:
             heapq.heappush(queue, entry)
         else:
             queue.append(entry)
-        if len(queue) > 2 * len(self._entry) + 64:  # drop dead entries left by hits (bounded memory)
-            live = [e for e in queue if self._entry.get(e[2]) == e[1]]
-            if self._sorted:
-                self._queue = deque(live)
-            else:
-                heapq.heapify(live)
-                self._queue = live
 
     def victim(self) -> int:
         queue, entry = self._queue, self._entry
-        pop = queue.popleft if self._sorted else partial(heapq.heappop, queue)
         while queue:
-            _, seq, bid = pop()
+            _, seq, bid = queue.popleft() if self._sorted else heapq.heappop(queue)
             if entry.get(bid) == seq:
                 del entry[bid]
                 return bid

@@ -30,7 +30,8 @@ per-step) when any holds:
 
 - a request would finish at the end of step m (``max_new_tokens``, or the executor's token is one of its stop ids
   past ``min_tokens``): that step is run per step, so ``apply`` finishes it and ``on_terminal`` fires as usual;
-- the waiting queue changed (a request was dispatched to this replica) or an abort is pending;
+- the waiting queue changed (a request was dispatched to this replica), an abort is pending or a transferred
+  request was adopted: the replica tells its run (``DecodeRun.interrupt``) when any of these happens;
 - a request (waiting or running) would time out at this step's start (``request_timeout_s``, same comparison as
   ``Replica._expire``);
 - the step's KV allocations do not all fit in the free (plus evictable) blocks: the scheduler would preempt.
@@ -70,9 +71,9 @@ class DecodeRun:
     log, and starts the next: its duration, or None: the run ends); ``Replica.end_decode_run`` then ``close``
     end it."""
 
-    __slots__ = ("replica", "states", "first", "executor", "kv", "waiting", "waiting_len", "waiting_last",
-                 "timeout", "min_arrival", "limit", "token", "durations", "ends", "synced", "m", "used_blocks",
-                 "record", "step_start", "_row", "_allocs", "_next_alloc", "_bs")
+    __slots__ = ("replica", "states", "first", "executor", "kv", "interrupted", "timeout", "min_arrival", "limit",
+                 "token", "durations", "ends", "synced", "m", "used_blocks", "record", "_row",
+                 "_allocs", "_next_alloc", "_until", "_bs")
 
     def __init__(self, replica: Replica, order: Sequence[RequestState], executor: Executor, limit: int) -> None:
         self.replica, self.executor, self.kv = replica, executor, replica.kv
@@ -86,10 +87,10 @@ class DecodeRun:
         if any(self.token in s.stop_token_ids for s in states):
             limit = min(limit, finish_limit(states, self.token))
         self.limit = limit
-        self.waiting = waiting = replica.waiting
-        self.waiting_len, self.waiting_last = len(waiting), (waiting[-1] if waiting else None)
+        self.interrupted = False  # set by the replica (``interrupt``)
         self.timeout = timeout = replica.limits.request_timeout_s
-        self.min_arrival = min(s.request.arrival_s for s in (*states, *waiting)) if timeout is not None else 0.0
+        self.min_arrival = (min(s.request.arrival_s for s in (*states, *replica.waiting)) if timeout is not None
+                            else 0.0)
         self.ends: list[float] = []  # end time of each completed step (shared with the step log's record)
         self.synced = 0  # completed steps whose tokens are in the request states
         self.m = 0  # the next step to start (= steps started so far)
@@ -101,6 +102,9 @@ class DecodeRun:
         self._allocs = [a for a in allocs if a[0] < limit]
         heapq.heapify(self._allocs)
         self._next_alloc = self._allocs[0][0] if self._allocs else limit
+        # the first step at which advance has more to do than the timeout check: the run's limit, an allocation,
+        # or the end of the priced durations (one comparison a step for all three)
+        self._until = min(limit, self._next_alloc, len(self.durations))
         self.used_blocks = self.kv.num_used_blocks  # changes only by this run's allocations while it lasts
 
     def begin(self, index: int, steps: StepLog, now: float) -> float | None:
@@ -110,39 +114,47 @@ class DecodeRun:
         self.record = DecodeSteps(index, first.num_seqs, first.kv_tokens_read, first.max_context_len, now,
                                   [(0, self.used_blocks)], self.ends, self.durations)
         self._row = steps.add_run(self.record)
-        self.step_start = now
-        return self.start(now)
+        return self.advance(now)
 
-    def advance(self, end: float) -> float | None:
-        """The current step ended at clock ``end``: record it and start the next; its duration, or None: the run
-        is over (the replica goes back to schedule / execute / apply at this very moment)."""
-        self.ends.append(end)
-        self._row()
-        self.step_start = end
-        return self.start(end)
+    def advance(self, now: float) -> float | None:
+        """Step ``self.m`` starts at clock ``now``, where the previous step (if any) ended: that one is recorded;
+        returns the new step's duration, its KV allocations made, or None: the run is over (the replica goes back
+        to schedule / execute / apply at this very moment). The clock calls it once a step: the common case is a
+        timeout check and one comparison, the rest is in ``_horizon``."""
+        m = self.m
+        if m:
+            self.ends.append(now)
+            self._row()
+        if self.timeout is not None and self.min_arrival < now - self.timeout:  # as Replica._expire compares
+            return None
+        if m >= self._until and not self._horizon(m, now):
+            return None
+        self.m = m + 1
+        return self.durations[m]
+
+    def interrupt(self) -> None:
+        """The replica's queues changed (an arrival, an abort, an adopted request): the run ends before its next
+        step, where the per-step loop's ``schedule`` would see the change."""
+        self.interrupted = True
+        self._until = 0  # the next advance goes through _horizon
 
     def close(self) -> None:
         """The run is over and its tokens synced: its step log entry shrinks to its final size."""
         self.record.close()
 
-    def start(self, now: float) -> float | None:
-        """Before step ``self.m`` at clock ``now``: its duration, its KV allocations made; None if the run ends."""
-        m = self.m
-        if m >= self.limit or self.replica.has_aborts or self.replica.has_adopted:
-            return None
-        waiting = self.waiting
-        if len(waiting) != self.waiting_len or (waiting and waiting[-1] is not self.waiting_last):
-            return None
-        if self.timeout is not None and self.min_arrival < now - self.timeout:  # as Replica._expire compares
-            return None
+    def _horizon(self, m: int, now: float) -> bool:
+        """Step m is where the run may end, allocate KV or run out of priced steps: False if it ends, else the
+        allocations made, the durations priced ahead, and the next such step found."""
+        if m >= self.limit or self.interrupted:
+            return False
         if m == self._next_alloc and not self._allocate(m, now):
-            return None
+            return False
         durations = self.durations
         if m >= len(durations):
             size = min(max(FIRST_CHUNK, min(2 * len(durations), MAX_CHUNK)), self.limit - m)
             durations.extend(self.executor.decode_run(decode_features(self.first, m), size).durations)
-        self.m = m + 1
-        return durations[m]
+        self._until = min(self.limit, self._next_alloc, len(durations))
+        return True
 
     def _allocate(self, m: int, now: float) -> bool:
         """The blocks the scheduler would allocate at step m (requests whose next token starts a block), in chunk

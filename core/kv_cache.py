@@ -69,6 +69,9 @@ class KVCacheManager:
         # the order of one deque that starts as 0..n-1 and gets freed ids appended.
         self._fresh = 0
         self._free: deque[int] = deque()
+        # Blocks an allocation can take (never-used + free + evictable), kept as a count: the schedulers and the
+        # decode fast-forward read it for every allocation, and len(eviction) is a Python call.
+        self._num_free = num_blocks
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}  # request id -> how many of its blocks are in the prefix cache
@@ -78,7 +81,7 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable."""
-        return self.num_blocks - self._fresh + len(self._free) + len(self.eviction)
+        return self._num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -137,7 +140,7 @@ class KVCacheManager:
         need = self.blocks_for(cached + num_new_tokens) - len(hits)
         if not self._claim(hits, need, now):
             return False
-        self._tables[state.id] = hits + [self._take(now) for _ in range(need)]
+        self._tables[state.id] = hits + self._take(need, now)
         self._registered[state.id] = len(hits)
         state.num_computed_tokens = cached
         return True
@@ -146,8 +149,9 @@ class KVCacheManager:
         """Take references on cached ``hits`` if ``need`` more blocks fit besides them; False changes nothing."""
         items = self._items
         reclaimed = sum(1 for b in hits if items[b].ref_count == 0)  # evictable hits stop being free
-        if need + reclaimed > self.num_free_blocks:
+        if need + reclaimed > self._num_free:
             return False
+        self._num_free -= reclaimed
         for bid in hits:
             blk = items[bid]
             blk.num_hits += 1
@@ -175,7 +179,7 @@ class KVCacheManager:
         if not self._claim(hits, need, now):
             host.unpin(copied, now)
             return False
-        table = hits + [self._take(now) for _ in range(need)]
+        table = hits + self._take(need, now)
         targets = table[len(hits):len(hits) + len(copied)]
         if swapped is not None:
             host.unpin(copied, now)
@@ -209,9 +213,9 @@ class KVCacheManager:
         need = -(-(state.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         if need <= 0:
             return True
-        if need > self.num_free_blocks:
+        if need > self._num_free:
             return False
-        table.extend(self._take(now) for _ in range(need))
+        table += self._take(need, now)
         return True
 
     def receive(self, state: RequestState, num_tokens: int, now: float) -> list[int] | None:
@@ -220,52 +224,81 @@ class KVCacheManager:
         nothing, when the pool cannot hold them now. The table is then the request's, as after ``admit``."""
         assert state.id not in self._tables, f"request {state.id} already holds blocks"
         need = self.blocks_for(num_tokens)
-        if need > self.num_free_blocks:
+        if need > self._num_free:
             return None
-        table = self._tables[state.id] = [self._take(now) for _ in range(need)]
+        table = self._tables[state.id] = self._take(need, now)
         self._registered[state.id] = 0
         return table
 
-    def _take(self, now: float) -> int:
-        if self._fresh < self.num_blocks:
-            bid = self._fresh
-            self._fresh += 1
-            blk = self._items[bid]
-            if blk is None:
-                blk = self._items[bid] = Block(bid, size=self.block_size)
-        elif self._free:
-            bid = self._free.popleft()
-            blk = self._items[bid]
-        else:
-            bid = self.eviction.victim()
-            blk = self._items[bid]
+    def _take(self, n: int, now: float) -> list[int]:
+        """``n`` blocks (at most ``_num_free``), each with one reference: never-used ids first (id order), then
+        freed ones (FIFO), then cached ones in the eviction policy's order. One pass per source rather than a call
+        per block: an admission takes a whole prompt's blocks at once."""
+        self._num_free -= n
+        items = self._items
+        ids = self._take_fresh(n) if self._fresh < self.num_blocks else []
+        free = self._free
+        while len(ids) < n and free:
+            ids.append(free.popleft())
+        for bid in ids:
+            blk = items[bid]
+            blk.ref_count = 1
+            blk.last_used_s = now
+        if len(ids) < n:
+            ids += self._evict(n - len(ids), now)
+        return ids
+
+    def _take_fresh(self, n: int) -> list[int]:
+        """Up to ``n`` never-used block ids, in id order, their Blocks created."""
+        fresh, items = self._fresh, self._items
+        ids = list(range(fresh, min(fresh + n, self.num_blocks)))
+        self._fresh = fresh + len(ids)
+        for bid in ids:
+            if items[bid] is None:  # (one read through ``blocks`` exists already)
+                items[bid] = Block(bid, size=self.block_size)
+        return ids
+
+    def _evict(self, n: int, now: float) -> list[int]:
+        """``n`` cached blocks the eviction policy gives up, out of the prefix cache, each with one reference."""
+        items, cached, victim, host = self._items, self._cached, self.eviction.victim, self.host
+        ids = []
+        for _ in range(n):
+            bid = victim()
+            blk = items[bid]
             assert blk.ref_count == 0 and blk.hash is not None, f"eviction policy returned block {bid} in use"
-            if self.host is not None:
-                self.host.spill(blk, bid, now)  # the copy runs before this step writes the block
-            del self._cached[blk.hash]
+            if host is not None:
+                host.spill(blk, bid, now)  # the copy runs before this step writes the block
+            del cached[blk.hash]
             blk.hash = None
             blk.num_hits = 0
-        blk.ref_count = 1
-        blk.last_used_s = now
-        return bid
+            blk.ref_count = 1
+            blk.last_used_s = now
+            ids.append(bid)
+        return ids
 
     def register_computed(self, state: RequestState, now: float) -> None:
         """Publish the request's newly completed full prompt blocks to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        done = min(state.num_computed_tokens // self.block_size, len(state.block_hashes))
+        hashes = state.block_hashes
+        done = min(state.num_computed_tokens // self.block_size, len(hashes))
         start = self._registered.get(state.id, done)
         if done <= start:
             return
+        items, cached, on_cached = self._items, self._cached, self.eviction.on_cached  # locals: a loop per block
         table = self._tables[state.id]
         for i in range(start, done):
-            h = state.block_hashes[i]
-            if h in self._cached:  # same content computed concurrently by another request: keep the first
+            h = hashes[i]
+            if h in cached:  # same content computed concurrently by another request: keep the first
                 continue
-            blk = self._items[table[i]]
-            blk.hash, blk.depth, blk.cached_s, blk.num_hits = h, i, now, 0
-            self._cached[h] = blk.id
-            self.eviction.on_cached(blk, now)
+            bid = table[i]
+            blk = items[bid]
+            blk.hash = h
+            blk.depth = i
+            blk.cached_s = now
+            blk.num_hits = 0
+            cached[h] = bid
+            on_cached(blk, now)
         self._registered[state.id] = done
 
     def trim(self, state: RequestState, num_tokens: int) -> None:
@@ -279,6 +312,7 @@ class KVCacheManager:
             blk.ref_count -= 1
             assert blk.ref_count == 0 and blk.hash is None, f"trimmed block {bid} is shared or cached"
             self._free.append(bid)
+            self._num_free += 1
 
     def free(self, state: RequestState, now: float) -> None:
         """Drop the request's references (and its swapped-out host blocks). Tail blocks go first so that equal-age
@@ -289,17 +323,22 @@ class KVCacheManager:
         self._registered.pop(state.id, None)
         if table is None:
             return
-        items = self._items
+        items, free, on_free = self._items, self._free, self.eviction.on_free  # locals: a loop per block
+        freed = 0
         for bid in reversed(table):
             blk = items[bid]
-            blk.ref_count -= 1
-            assert blk.ref_count >= 0, f"block {bid} refcount went negative"
-            if blk.ref_count == 0:
+            refs = blk.ref_count - 1
+            blk.ref_count = refs
+            if refs == 0:
+                freed += 1
                 blk.last_used_s = now
                 if blk.hash is not None:
-                    self.eviction.on_free(blk, now)
+                    on_free(blk, now)
                 else:
-                    self._free.append(bid)
+                    free.append(bid)
+            else:
+                assert refs > 0, f"block {bid} refcount went negative"
+        self._num_free += freed
 
     # ---- invariants (tests and debugging) ------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -319,6 +358,7 @@ class KVCacheManager:
         n_evictable = sum(1 for b in made if b.ref_count == 0 and b.hash is not None)
         assert n_evictable == len(self.eviction), f"{n_evictable} evictable blocks, policy tracks {len(self.eviction)}"
         n_fresh = self.num_blocks - self._fresh
+        assert self._num_free == n_fresh + len(free) + n_evictable, f"free count {self._num_free} is stale"
         assert len(free) + n_fresh + n_evictable + sum(1 for b in made if b.ref_count > 0) == self.num_blocks
         for h, bid in self._cached.items():
             assert self._items[bid].hash == h

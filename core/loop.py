@@ -246,15 +246,17 @@ class ServingLoop:
         step, exactly where the per-step loop has them, but no schedule / execute / apply."""
         clock = self.clock
         try:
-            duration = run.begin(i, self.steps, clock.now)
+            start = clock.now
+            duration = run.begin(i, self.steps, start)
             if duration is None:
                 return
             if self._clock_drives_decodes:
                 yield Decodes(run, duration)  # the clock calls run.advance at each step's end
             else:
                 while duration is not None:
-                    yield Sleep(duration, run.step_start)
-                    duration = run.advance(clock.now)
+                    yield Sleep(duration, start)
+                    start = clock.now
+                    duration = run.advance(start)
         finally:
             self.fast_forwarded_steps += len(run.ends)
             replica.end_decode_run()

@@ -159,6 +159,7 @@ class Replica:
         state.block_hashes = self._hashes(request)
         state.stop_token_ids = self._stop_ids(request)
         self.waiting.append(state)
+        self._interrupt_decode_run()
         return state
 
     def abort(self, request_id: str, now: float, reason: str = "cancelled",
@@ -179,11 +180,13 @@ class Replica:
         for state in self.waiting:
             if state.id == request_id:
                 self.waiting.remove(state)
+                self._interrupt_decode_run()
                 self._end(state, status, now, reason)
                 return state
         for state in self.running:
             if state.id == request_id:
                 self._aborts.setdefault(request_id, (state, status, reason))  # the first abort's status wins
+                self._interrupt_decode_run()
                 return state
         return None
 
@@ -356,11 +359,6 @@ class Replica:
     _decode_run: DecodeRun | None = None  # the fast-forward in progress (class default: none)
     _steady: bool | None = None  # whether the scheduler declares SteadyDecodeScheduler (checked once)
 
-    @property
-    def has_aborts(self) -> bool:
-        """A running request was aborted and ends at the next ``schedule``."""
-        return bool(self._aborts)
-
     def start_decode_run(self, executor: Executor, now: float) -> DecodeRun | None:
         """Right after a step was applied at clock ``now``: a fast-forward of the next steps if they provably are
         the same decodes (``core.fast_forward``), else None. The caller ends it with ``end_decode_run`` before the
@@ -391,8 +389,16 @@ class Replica:
         run = DecodeRun(self, order, executor, limit)
         if run.limit <= 0:
             return None
+        if self._adopted:  # adopted during the step just applied: the run ends before its first step
+            run.interrupt()
         self._decode_run = run
         return run
+
+    def _interrupt_decode_run(self) -> None:
+        """The waiting queue, the aborts or the adopted requests changed: a fast-forward in progress ends before
+        its next step (``schedule`` sees the change there)."""
+        if self._decode_run is not None:
+            self._decode_run.interrupt()
 
     def end_decode_run(self) -> None:
         """Bring the run's tokens into the request states; the replica is back to per-step scheduling."""
@@ -417,11 +423,6 @@ class Replica:
     def num_adopting(self) -> int:
         return len(self._adopted) if self._adopted else 0
 
-    @property
-    def has_adopted(self) -> bool:
-        """A transferred request waits to join ``running`` (a decode fast-forward ends: the batch changes)."""
-        return bool(self._adopted)
-
     def _hand_off(self, end_s: float) -> None:
         """Running requests that got their first token this step leave for a decode replica (``on_prefilled``)."""
         ready = [s for s in self.running if s.output_token_ids]
@@ -444,6 +445,7 @@ class Replica:
             self._adopted = []
         state.replica = self.index
         self._adopted.append(state)
+        self._interrupt_decode_run()  # the batch changes at the next schedule
 
     def _admit_adopted(self) -> None:
         for state in self._adopted:
