@@ -17,12 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 from core.metrics import SLO
 from core.output import read_requests
 from experiments import plots
-from experiments.studies.common import Report, backends, fmt, get, run_variants, slug
+from experiments.studies.common import Report, backends, fmt, get, option_name, run_variants, slug
 
 
-def slos_of(cfg: DictConfig) -> dict[str, SLO]:
-    """``study.slos``: name -> targets (``core.metrics.SLO`` keys), checked."""
-    return {str(name): SLO.from_mapping(OmegaConf.to_container(t, resolve=True)) for name, t in cfg.study.slos.items()}
+def slos_of(targets: Mapping[str, Any]) -> dict[str, SLO]:
+    """Named SLOs (``study.slos``, or a workload's own ``slos``): name -> targets (``core.metrics.SLO`` keys),
+    checked."""
+    return {str(name): SLO.from_mapping(OmegaConf.to_container(t, resolve=True) if OmegaConf.is_config(t) else t)
+            for name, t in targets.items()}
 
 
 def slo_fields(m: dict, run_dir: Path, slos: Mapping[str, SLO]) -> dict:
@@ -55,7 +57,7 @@ def workloads_of(cfg: DictConfig) -> dict[str, tuple[list[str], dict[str, SLO]]]
     the config's own, when absent."""
     out = {}
     for name, w in (cfg.study.get("workloads") or {"": {}}).items():
-        slos = slos_of(OmegaConf.create({"study": {"slos": w["slos"]}})) if w.get("slos") else slos_of(cfg)
+        slos = slos_of(w["slos"] if w.get("slos") else cfg.study.slos)
         out[str(name)] = (list(w.get("overrides") or []), slos)
     return out
 
@@ -65,8 +67,8 @@ def run(cfg: DictConfig, out: Path) -> Report:
     rep.text(f"Model {cfg.model.name} on {cfg.hardware.name} (DistServe's OPT-13B / A100 profile fits as the cost "
              f"model, conf/study/pd_disaggregation.yaml); {cfg.workload.duration_s} s of Poisson arrivals per rate; "
              f"scheduler sarathi with a {cfg.scheduler.max_num_batched_tokens}-token budget on every replica unless a "
-             f"split says otherwise; router {cfg.router._target_.rsplit('.', 1)[-1]}, placement "
-             f"{cfg.placement._target_.rsplit('.', 1)[-1]}. Goodput: requests per second that finished within the "
+             f"split says otherwise; router {option_name(cfg, 'router')}, placement {option_name(cfg, 'placement')}. "
+             "Goodput: requests per second that finished within the "
              "SLO's TTFT and TPOT targets.")
     for backend, c in backends(cfg).items():
         for workload, (workload_overrides, slos) in workloads_of(c).items():
