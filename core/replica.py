@@ -362,7 +362,7 @@ class Replica:
     def start_decode_run(self, executor: Executor, now: float) -> DecodeRun | None:
         """Right after a step was applied at clock ``now``: a fast-forward of the next steps if they provably are
         the same decodes (``core.fast_forward``), else None. The caller ends it with ``end_decode_run`` before the
-        next ``schedule``; in between, the run's ``start`` / ``done`` stand for schedule / execute / apply."""
+        next ``schedule``; in between, the run's ``advance`` stands for schedule / execute / apply."""
         running = self.running
         # with a host tier a fast-forwarded allocation could spill evicted blocks, whose copies no batch would carry
         if not running or self._aborts or self._decode_run is not None or self.kv.host is not None \

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core import arithmetic
 from core.disagg import PDServingLoop
+from core.host_tier import HostTierStats
 from core.loop import RunResult, ServingLoop
 from core.output import COMPLETE, INTERRUPTED, check_output_options, table_path, write_run
 from experiments.build import (
@@ -75,10 +76,6 @@ def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
 def host_tier_metrics(cfg: DictConfig, loop: ServingLoop) -> dict[str, Any]:
     """metrics.json's ``host_tier`` section, summed over replicas (``core.host_tier.HostTierStats.summary``);
     no key when the host tier is off, so runs without one keep their metrics.json."""
-    from dataclasses import fields
-
-    from core.host_tier import HostTierStats
-
     tiers = [r.kv.host for r in loop.replicas if r.kv.host is not None]
     if not tiers:
         return {}
