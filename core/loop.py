@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 from core.batch import Batch
 from core.fast_forward import DecodeRun
 from core.interfaces import Executor, Router, Workload
+from core.metrics import ITLPool
 from core.records import StepLog, StepRecord, feature_values
 from core.replica import Replica
 from core.request import Request, RequestState
@@ -104,6 +105,7 @@ class RunResult:
     end_s: float  # clock time of the last event
     wall_s: float  # wall-clock seconds the run took
     batches: list[Batch] = field(default_factory=list)  # filled only with keep_batches=True
+    itl_pool: ITLPool | None = None  # the ITL samples of the requests folded as they ended (``ServingLoop``)
 
 
 StepListener = Callable[[int, Batch, StepRecord], None]
@@ -121,7 +123,7 @@ class ServingLoop:
 
     def __init__(self, replicas: Sequence[Replica], executors: Sequence[Executor], router: Router,
                  workload: Workload, keep_batches: bool = False, frontend_delay_s: float = 0.0,
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True, itl_pool: ITLPool | None = None) -> None:
         if len(replicas) != len(executors) or not replicas:
             raise ValueError(f"need one executor per replica, got {len(replicas)} replicas, {len(executors)} executors")
         self.replicas = list(replicas)
@@ -137,6 +139,9 @@ class ServingLoop:
         # A server's front end (HTTP, tokenisation) between a request's arrival and its dispatch to a replica: a
         # simulation of a measured server adds it; arrival times (and so TTFT) stay the client's.
         self.frontend_delay_s = frontend_delay_s
+        # Where no per-token rows are written: each request that ends puts its ITL samples into this pool and
+        # drops its token times (core.metrics.ITLPool), so a long trace's memory does not grow per token.
+        self.itl_pool = itl_pool
         self.states: list[RequestState] = []
         self.steps = StepLog()  # column store: a long trace keeps millions of steps
         self.batches: list[Batch] = []
@@ -169,9 +174,12 @@ class ServingLoop:
             raise RuntimeError(f"run ended with {len(stuck)} unfinished requests, e.g. {stuck[:5]}")
         for ex in self.executors:
             ex.finish()
+        if self.itl_pool is not None:
+            self.itl_pool.flush()
 
     def result(self, wall_s: float) -> RunResult:
-        return RunResult(self.states, self.steps, self.clock.now if self.clock else 0.0, wall_s, self.batches)
+        return RunResult(self.states, self.steps, self.clock.now if self.clock else 0.0, wall_s, self.batches,
+                         self.itl_pool)
 
     # ---- requests in -----------------------------------------------------------------------------------------
     def dispatch(self, req: Request) -> RequestState:
@@ -270,3 +278,5 @@ class ServingLoop:
         if nxt is not None:
             self.clock.start(self._delayed(nxt))
         state.compact()  # every listener has seen it: the run keeps it, in less memory
+        if self.itl_pool is not None:
+            self.itl_pool.fold(state)

@@ -128,7 +128,7 @@ Column = list | np.ndarray
 
 def request_columns(states: Sequence[RequestState]) -> list[Column]:
     """requests.csv's columns (``REQUEST_COLUMNS``) of ``states`` in the order given (``request_row`` per state)."""
-    metrics, _ = many_request_metrics(states, [False] * len(states))
+    metrics = many_request_metrics(states)
     rows = [request_row(s, m) for s, m in zip(states, metrics, strict=True)]
     return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in REQUEST_COLUMNS]
 
@@ -136,6 +136,10 @@ def request_columns(states: Sequence[RequestState]) -> list[Column]:
 def token_columns(states: Sequence[RequestState]) -> list[Column]:
     """tokens.csv's columns (``TOKEN_COLUMNS``: one row per output event, ``core.metrics.output_events``) of
     ``states`` in the order given, computed with numpy over all token times at once."""
+    folded = next((s for s in states if s.folded is not None), None)
+    if folded is not None:
+        raise ValueError(f"request {folded.id}'s token times were folded into the run's ITL pool "
+                         "(output.tokens=none): no tokens file can be written from it")
     arrays = [float_times(s.token_times) for s in states]
     if any(a is None for a in arrays):  # exact (slow) path for hand-made states with non-float times
         rows = [(s.id, i, t, k) for s in states for i, (t, k) in enumerate(output_events(s.token_times))]

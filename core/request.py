@@ -144,6 +144,15 @@ class RepeatedTokens(Sequence[int]):
         return f"[{self.token}] * {self.n}"
 
 
+@dataclass(frozen=True, slots=True)
+class FoldedTimes:
+    """What an ended request keeps of its token times once a run's ITL pool took its ITL samples
+    (``core.metrics.ITLPool``, ``output.tokens=none``): O(1) memory instead of 8 bytes a token."""
+
+    max_stall_s: float | None  # as core.metrics defines it; None without tokens
+    last_token_s: float | None
+
+
 @dataclass(slots=True, eq=False)
 class RequestState:
     """Mutable progress of one request on one replica.
@@ -166,8 +175,10 @@ class RequestState:
     finish_s: float | None = None
     # time of each output token (equal times: one multi-token event); a flat array of doubles (8 bytes a token,
     # no Python object per token), which is what the metrics need: TTFT, TPOT, every ITL sample, max stall.
-    # Whole-response writers (loadgen) may assign any sequence of floats.
+    # Whole-response writers (loadgen) may assign any sequence of floats. A run without a tokens file folds them
+    # when the request ends (``fold``).
     token_times: Sequence[float] = field(default_factory=lambda: array("d"))
+    folded: FoldedTimes | None = None  # set when the times went into an ITL pool (token_times is then empty)
     reason: str = ""  # why REJECTED / TIMED_OUT / CANCELLED
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     # token ids that end this request (EOS unless ignored, plus its stop_token_ids); set once by Replica.add
@@ -209,6 +220,18 @@ class RequestState:
         out = self.output_token_ids
         if len(out) > 1 and not isinstance(out, RepeatedTokens) and out.count(out[0]) == len(out):
             self.output_token_ids = RepeatedTokens(out[0], len(out))
+
+    def fold(self, max_stall_s: float | None) -> None:
+        """Drop the token times (their ITL samples are pooled elsewhere), keeping what the metrics still need."""
+        self.folded = FoldedTimes(max_stall_s, self.last_token_s)
+        self.token_times = array("d")
+
+    @property
+    def last_token_s(self) -> float | None:
+        """Time of the latest output token (None before the first)."""
+        if self.token_times:
+            return self.token_times[-1]
+        return self.folded.last_token_s if self.folded is not None else None
 
     @property
     def num_tokens(self) -> int:

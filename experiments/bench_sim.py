@@ -8,7 +8,8 @@ default scheduler), as simulated seconds per wall second, every case measured in
 
 Goal (issue 13): >= 60x real time for ``process_csv`` on the first 3,000 requests. A process case's simulated
 seconds are the run's own (timing.json: ``wall_s`` x ``sim_s_per_wall_s``), its wall seconds the whole
-subprocess's; ``cpu_s`` is the child's user + system CPU time (robust on a shared, noisy machine).
+subprocess's; ``cpu_s`` is the child's user + system CPU time (robust on a shared, noisy machine), ``peak_rss_mb``
+its peak resident memory.
 
 ``loop_per_step`` / ``process_csv_per_step``: the same with decode fast-forward off; the run prints the
 fast-forward speed-up and whether the two modes' files are byte-identical. More cases: add a ``Case`` to ``CASES``;
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -78,21 +78,25 @@ def run_loop(overrides: list[str]) -> dict:
 
 
 def run_process(overrides: list[str], out_dir: Path) -> dict:
-    """``python -m experiments.run`` with ``overrides`` into ``out_dir``, timed as a whole process."""
+    """``python -m experiments.run`` with ``overrides`` into ``out_dir``, timed as a whole process; its own CPU time
+    and peak resident memory from ``wait4``."""
     cmd = [sys.executable, "-m", "experiments.run", *overrides, f"hydra.run.dir={out_dir}"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-    wall_s = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "PYTHONHASHSEED": "0"})
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall_s = time.perf_counter() - t0
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read().decode()[-3000:]}")
     timing = json.loads((out_dir / "timing.json").read_text())
     metrics = json.loads((out_dir / "metrics.json").read_text())
     written = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
     return {"requests": metrics["num_requests"], "steps": metrics.get("num_steps"),
             "simulated_s": timing["wall_s"] * timing["sim_s_per_wall_s"], "wall_s": wall_s,
-            "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
             "loop_wall_s": timing["wall_s"], "bytes_written": written}
 
 

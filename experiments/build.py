@@ -22,6 +22,7 @@ from core.checks import check_bool, check_choice, check_float, check_fraction, c
 from core.interfaces import Executor, Workload
 from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
+from core.metrics import ITLPool
 from core.replica import Replica, SchedulerLimits
 from core.specs import HardwareSpec, ModelSpec
 from experiments.targets import check_targets
@@ -433,7 +434,8 @@ def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
     executors = make_executors(replicas) if make_executors else build_executors(cfg, model_spec(cfg), replicas)
     args = (replicas, executors, instantiate_group(cfg.router, "router"), build_workload(cfg.workload))
     options = dict(frontend_delay_s=frontend_delay(cfg),
-                   fast_forward=check_bool(cfg.backend.get("fast_forward", True), "backend.fast_forward"))
+                   fast_forward=check_bool(cfg.backend.get("fast_forward", True), "backend.fast_forward"),
+                   itl_pool=itl_pool(cfg))
     if cluster_kind(cfg) == "pd":
         from core.disagg import PDServingLoop
 
@@ -444,6 +446,15 @@ def build_loop(cfg: DictConfig, make_executors: MakeExecutors | None = None,
                              placement=instantiate_group(cfg.placement, "placement"),
                              transport=kv_transport(cfg, executors), **options)
     return ServingLoop(*args, **options)
+
+
+def itl_pool(cfg: DictConfig) -> ITLPool | None:
+    """Without per-token output (``output.tokens=none``) requests fold their token times into an ITL pool as they
+    end (``core.metrics.ITLPool``): the run's memory does not grow per token. None otherwise."""
+    out = cfg.get("output") or {}
+    if out.get("tokens", "all") != "none":
+        return None
+    return ITLPool(metrics_options(cfg, model_spec(cfg))["prompt_len_edges"])
 
 
 # ---- cluster: colocated replicas, or PD disaggregation (core.disagg) -------------------------------------------

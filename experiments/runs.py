@@ -61,7 +61,8 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
         note = {"error": f"{type(e).__name__}: {e}",  # num_unfinished: arrived but not ended
                 "num_unfinished": len(partial.states) - len(ended)}
         with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
-            write_run_dir(cfg, RunResult(ended, partial.steps, partial.end_s, partial.wall_s), out_dir,
+            write_run_dir(cfg, RunResult(ended, partial.steps, partial.end_s, partial.wall_s,
+                                         itl_pool=partial.itl_pool), out_dir,
                           backend_label, note, run_status=INTERRUPTED, plots=False, pd=pd_loop(loop))
         raise
     check_measured(cfg, result)
@@ -115,7 +116,7 @@ def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backe
     spec = model_spec(cfg)
     label = backend_label or cfg.backend.name
     options = metrics_options(cfg, spec)
-    metrics = summarize(result.states, **options)
+    metrics = summarize(result.states, **options, itl_pool=result.itl_pool)
     metrics.update(backend=label, num_steps=len(result.steps), **(extra or {}))
     if pd is not None:
         metrics["pd"] = pd_metrics(cfg, pd, options["percentile_method"])

@@ -3,6 +3,8 @@
 import json
 import math
 
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -10,6 +12,8 @@ from hypothesis import strategies as st
 
 from core.metrics import (
     SLO,
+    ITLPool,
+    SampleSet,
     bucket_labels,
     itl_samples,
     output_events,
@@ -177,6 +181,7 @@ def test_prompt_len_buckets():
         summarize(s, prompt_len_edges=[10, 5])
 
 
+PMETHODS = ["nearest_rank", "linear"]
 req_st = st.tuples(st.floats(0.0, 5.0), st.integers(1, 3000), st.booleans(), st.sampled_from(list(Status)[3:]))
 
 
@@ -215,3 +220,70 @@ def test_nearest_rank_at_a_rounding_tie_keeps_the_definition():
     x = np.arange(1000, dtype=float)
     assert percentile(x, 99.9) == 998.0  # 999 of 1000 values (99.9%) are <= 998
     assert float(np.percentile(x, 99.9, method="inverted_cdf")) == 999.0  # numpy's rounding picks the next one
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=300), st.floats(0, 100))
+def test_linear_is_numpys_linear(values, p):
+    assert percentile(values, p, "linear") == float(np.percentile(values, p, method="linear"))
+
+
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=400), st.integers(1, 50), st.sampled_from(PMETHODS))
+def test_sample_set_is_the_samples(draws, batch, method):
+    """A SampleSet (distinct values and counts, merged batch by batch) gives the stats of the plain sample list."""
+    values = [d * 0.013 + 0.001 for d in draws]  # few distinct values, many repeats
+    ss = SampleSet()
+    with patch("core.metrics._MERGE_SAMPLES", 7):  # merge often: the union path
+        for lo in range(0, len(values), batch):
+            ss.add(np.array(values[lo:lo + batch]))
+    got, want = ss.stats(method, (0, 1, 50, 90, 99, 99.9, 100)), stats(values, method, (0, 1, 50, 90, 99, 99.9, 100))
+    assert got.pop("mean") == (pytest.approx(want.pop("mean"), rel=1e-12) if values else want.pop("mean"))
+    assert got == want and len(ss) == len(values)
+
+
+def _timed_states(seed: int, n: int = 40) -> list[RequestState]:
+    """Requests with multi-token events, several prompt buckets, hits and misses, warmup and every end status."""
+    rng = np.random.default_rng(seed)
+    states = []
+    for i in range(n):
+        steps = rng.integers(0, 3, int(rng.integers(0, 30))) * 0.01  # 0: several tokens in one event
+        times = (float(rng.random()) + np.cumsum(steps)).tolist()
+        status = [Status.FINISHED, Status.FINISHED, Status.TIMED_OUT, Status.CANCELLED][i % 4]
+        states.append(mk(f"r{i}", 0.0, 0.0, tuple(times), status=status if times else Status.REJECTED,
+                         prompt=int(rng.integers(1, 3000)), cached=16 * (i % 3 == 0), warmup=i % 7 == 0))
+    return states
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_folded_requests_give_the_same_metrics(seed):
+    """Folding each request's token times into an ITL pool as it ends (output.tokens=none) changes no metric,
+    leaves no token times behind, and keeps each request's max stall and last token."""
+    from core.output import dumps_metrics
+
+    want = summarize(_timed_states(seed), prompt_len_edges=[100, 1000])
+    states = _timed_states(seed)
+    stalls = [request_metrics(s).max_stall_s for s in states]
+    last = [s.token_times[-1] if s.token_times else None for s in states]
+    pool = ITLPool([100, 1000])
+    order = np.random.default_rng(seed).permutation(len(states))
+    with patch("core.metrics._CHUNK_TOKENS", 50):  # several fold batches
+        for i in order[: len(order) // 2]:
+            pool.fold(states[i])
+        pool.flush()
+        for i in order[len(order) // 2:]:
+            pool.fold(states[i])  # the last ones still pending: summarize flushes them
+    got = summarize(states, prompt_len_edges=[100, 1000], itl_pool=pool)
+    assert dumps_metrics(got) == dumps_metrics(want)
+    assert all(not s.token_times and s.folded is not None for s in states)
+    assert [request_metrics(s).max_stall_s for s in states] == stalls and [s.last_token_s for s in states] == last
+
+
+def test_folded_requests_need_their_pool():
+    states = _timed_states(0, 8)
+    pool = ITLPool([100, 1000])
+    for s in states:
+        pool.fold(s)
+    pool.flush()
+    with pytest.raises(ValueError, match="folded into an ITL pool"):
+        summarize(states)
+    with pytest.raises(ValueError, match="groups prompts by"):
+        summarize(states, itl_pool=pool)  # the default edges differ from the pool's

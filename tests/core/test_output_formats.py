@@ -238,6 +238,32 @@ def test_runs_in_every_output_mode_give_the_same_data(tmp_path):
     assert not has_table(none, "tokens") and json.loads((none / "metrics.json").read_text())["itl_s"]["count"] > 0
 
 
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_tokens_none_folds_token_times_and_changes_no_metric(tmp_path, fast_forward):
+    """output.tokens=none: every request folds its token times into the loop's ITL pool as it ends (no per-token
+    memory); metrics.json and requests.csv stay byte-identical, with prefix hits, warmup, timeouts, buckets."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.build import CONF_DIR, build_loop
+    from sim.clock import simulate
+
+    case = ["workload=shared_prefix", "workload.num_requests=60", "workload.warmup_requests=5", "replicas=2",
+            "request_timeout_s=0.2", "workload.arrival.rate_rps=40", "kv.num_blocks=64", "metrics.prompt_len_edges=[120,140]",
+            f"backend.fast_forward={fast_forward}", "output.plots=false"]
+    base = _run(tmp_path, "all", *case)
+    none = _run(tmp_path, "none", *case, "output.tokens=none")
+    assert (base / "metrics.json").read_bytes() == (none / "metrics.json").read_bytes()
+    assert (base / "requests.csv").read_bytes() == (none / "requests.csv").read_bytes()
+    m = json.loads((none / "metrics.json").read_text())
+    assert m["num_timed_out"] > 0 and m["num_warmup"] == 5 and 0 < m["request_hit_rate"] < 1
+    assert all(g["itl_s"]["count"] > 0 for g in m["groups"]["prompt_len"].values())
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*case, "output.tokens=none", "workload.num_requests=30"])
+    result = simulate(build_loop(cfg))
+    assert all(s.folded is not None and not s.token_times for s in result.states)
+    assert len(result.itl_pool.samples()) > 0
+
+
 def test_plots_auto_draws_small_runs_and_reads_parquet(tmp_path):
     d = _run(tmp_path, "pq", "output.format=parquet")  # plots: auto, 30 requests -> drawn from the Parquet files
     assert (d / "latency_cdfs.png").is_file() and (d / "step_timeline.png").is_file()
