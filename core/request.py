@@ -180,7 +180,7 @@ class RequestState:
     token_times: Sequence[float] = field(default_factory=lambda: array("d"))
     folded: FoldedTimes | None = None  # set when the times went into an ITL pool (token_times is then empty)
     reason: str = ""  # why REJECTED / TIMED_OUT / CANCELLED
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
+    block_hashes: Sequence[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     # token ids that end this request (EOS unless ignored, plus its stop_token_ids); set once by Replica.add
     stop_token_ids: frozenset[int] = frozenset()
     num_draft_proposed: int = 0  # speculative decoding: draft tokens verified for this request so far
@@ -216,10 +216,13 @@ class RequestState:
 
     def compact(self) -> None:
         """Once the request has ended: output ids that are all one token (the simulator's) as ``RepeatedTokens``,
-        so a run that keeps every request of a long trace holds 8 bytes a token (its times), not 16."""
+        so a run that keeps every request of a long trace holds 8 bytes a token (its times), not 16; the block
+        hashes as a flat array (8 bytes a block, not a Python int each once the cache has let go of them)."""
         out = self.output_token_ids
         if len(out) > 1 and not isinstance(out, RepeatedTokens) and out.count(out[0]) == len(out):
             self.output_token_ids = RepeatedTokens(out[0], len(out))
+        if isinstance(self.block_hashes, list) and self.block_hashes:
+            self.block_hashes = array("q", self.block_hashes)
 
     def fold(self, max_stall_s: float | None) -> None:
         """Drop the token times (their ITL samples are pooled elsewhere), keeping what the metrics still need."""
