@@ -35,7 +35,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,20 @@ def step_columns(steps: Sequence[StepRecord]) -> list[Column]:
     return [list(map(attrgetter(f"features.{c}" if c in feats else c), steps)) for c in StepRecord.columns()]
 
 
+def step_chunks(steps: Sequence[StepRecord], rows: int | None = None) -> Iterator[list[Column]]:
+    """``step_columns`` in chunks of ``rows`` rows (default ``_CHUNK_ROWS``): a StepLog's never built whole
+    (``StepLog.column_chunks``: millions of steps are written in bounded memory), a list of records' as one chunk."""
+    if isinstance(steps, StepLog):
+        yield from steps.column_chunks(rows or _CHUNK_ROWS)
+    else:
+        yield step_columns(steps)
+
+
+def _one_chunk(build: Callable[[], list[Column]]) -> Iterator[list[Column]]:
+    """``build()``'s columns as the only chunk, built when asked for (after the file's header is written)."""
+    yield build()
+
+
 def _quote(cells: list[str]) -> list[str]:
     """What csv.writer (QUOTE_MINIMAL, lineterminator "\\n") writes for each text cell: the rare cell holding a
     delimiter, quote or line break goes through csv.writer itself."""
@@ -224,59 +238,88 @@ def _cells(col: Column) -> list[str]:
     return _quote([fmt(v) for v in col])
 
 
-def _write_csv(path: Path, header: Sequence[str], columns: Sequence[Column] | None = None,
-               build=None) -> None:
-    """The header, then the rows of ``columns`` (or of ``build()``, called after the header is written: a file
-    cut short by an error still shows what it is) formatted column by column, ``_CHUNK_ROWS`` rows at a time."""
+def _write_csv(path: Path, header: Sequence[str], chunks: Iterable[Sequence[Column]],
+               types: Sequence[set[type]] | None = None) -> None:
+    """The header, then the rows of each chunk of columns (taken after the header is written: a file cut short by
+    an error still shows what it is) formatted column by column, ``_CHUNK_ROWS`` rows at a time. A cell's text
+    does not depend on the chunks. (``types``: as ``_write_parquet``'s, not needed here.)"""
     with open(path, "w", newline="") as f:
         f.write(",".join(_quote(list(header))) + "\n")
-        if build is not None:
-            columns = build()
-        n = len(columns[0]) if columns else 0
-        for lo in range(0, n, _CHUNK_ROWS):
-            cells = [_cells(c[lo:lo + _CHUNK_ROWS]) for c in columns]
-            f.write("\n".join(map(",".join, zip(*cells, strict=True))) + "\n")
+        for columns in chunks:
+            n = len(columns[0]) if columns else 0
+            for lo in range(0, n, _CHUNK_ROWS):
+                cells = [_cells(c[lo:lo + _CHUNK_ROWS]) for c in columns]
+                f.write("\n".join(map(",".join, zip(*cells, strict=True))) + "\n")
 
 
-def _arrow_column(col: Column):
-    """One column as a pyarrow array: int64 (ints; None -> null), bool, float64 (any float; None and non-finite ->
-    null, as the CSV's empty cell), or string (``fmt`` of each cell: enums by value)."""
+def _cell_types(col: Column) -> set[type]:
+    """The types of a column's cells (a numeric array's: int, float or bool, even with no cells)."""
+    if isinstance(col, np.ndarray) and col.dtype.kind in "iufb":
+        return {float if col.dtype.kind == "f" else bool if col.dtype.kind == "b" else int}
+    return set(map(type, col.tolist() if isinstance(col, np.ndarray) else col))
+
+
+def _arrow_type(types: set[type]):
+    """The Parquet type of a column whose cells have these types (``_cell_types``): int64 (ints, None -> null),
+    bool, float64 (numbers with a float or a bool among them; no cells at all), else string."""
     import pyarrow as pa
 
-    if isinstance(col, np.ndarray) and col.dtype.kind in "iufb":
-        if col.dtype.kind == "f":
-            return pa.array(col, type=pa.float64(), mask=~np.isfinite(col))
-        return pa.array(col, type=pa.bool_() if col.dtype.kind == "b" else pa.int64())
-    vals = col.tolist() if isinstance(col, np.ndarray) else col
-    types = set(map(type, vals))
-    if types == {int}:
-        return pa.array(vals, type=pa.int64())
-    if types == {str}:
-        return pa.array(vals, type=pa.string())
-    if types <= {int, float} and types:
-        x = np.array(vals, dtype=np.float64)
-        return pa.array(x, type=pa.float64(), mask=~np.isfinite(x))
-    types -= {type(None)}
-    if types <= {bool, np.bool_} and types:
-        return pa.array([None if v is None else bool(v) for v in vals], type=pa.bool_())
-    if all(issubclass(t, int | np.integer) and not issubclass(t, bool | np.bool_) for t in types):
-        return pa.array([None if v is None else int(v) for v in vals],
-                        type=pa.int64() if types else pa.float64())
+    types = types - {type(None)}
+    if types and types <= {bool, np.bool_}:
+        return pa.bool_()
+    if types and all(issubclass(t, int | np.integer) and not issubclass(t, bool) for t in types):
+        return pa.int64()
     if all(issubclass(t, int | float | np.integer | np.floating) for t in types):
-        x = np.array([math.nan if v is None else float(v) for v in vals], dtype=np.float64)
-        return pa.array(x, type=pa.float64(), mask=~np.isfinite(x))
-    return pa.array([fmt(v) for v in vals], type=pa.string())
+        return pa.float64()
+    return pa.string()
 
 
-def _write_parquet(path: Path, header: Sequence[str], columns: Sequence[Column] | None = None, build=None) -> None:
+def _arrow_column(col: Column, arrow_type=None):
+    """One column as a pyarrow array of ``arrow_type`` (default: ``_arrow_type`` of its cells; a chunk of a column
+    takes the whole column's): int64 (None -> null), bool, float64 (None and non-finite -> null, as the CSV's empty
+    cell), or string (``fmt`` of each cell: enums by value)."""
+    import pyarrow as pa
+
+    types = _cell_types(col)
+    t = _arrow_type(types) if arrow_type is None else arrow_type
+    if t == pa.float64():
+        x = np.asarray(col, dtype=np.float64)  # None -> NaN
+        return pa.array(x, type=t, mask=~np.isfinite(x))
+    if isinstance(col, np.ndarray) and col.dtype.kind in "iub" and t != pa.string():
+        return pa.array(col, type=t)
+    vals = col.tolist() if isinstance(col, np.ndarray) else col
+    if types <= ({int} if t == pa.int64() else {str} if t == pa.string() else set()):
+        return pa.array(vals, type=t)
+    if t == pa.string():
+        return pa.array([fmt(v) for v in vals], type=t)
+    cast = bool if t == pa.bool_() else int
+    return pa.array([None if v is None else cast(v) for v in vals], type=t)
+
+
+def _write_parquet(path: Path, header: Sequence[str], chunks: Iterable[Sequence[Column]],
+                   types: Sequence[set[type]] | None = None) -> None:
+    """One row group per chunk of columns, each column of the type ``_arrow_column`` gives the whole column: from
+    ``types`` (per column, its cells' types over all chunks: ``_cell_types``), else from the first chunk (the only
+    one, or one that has every type its column has)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if build is not None:
-        path.touch()  # as _write_csv: a file that was being written when an error came
-        columns = build()
-    table = pa.table({name: _arrow_column(c) for name, c in zip(header, columns, strict=True)})
-    pq.write_table(table, path)
+    path.touch()  # as _write_csv: a file that was being written when an error came
+    schema = None if types is None else pa.schema([(n, _arrow_type(t)) for n, t in zip(header, types, strict=True)])
+    writer = None
+    try:
+        for columns in chunks:
+            arrays = [_arrow_column(c, None if schema is None else schema.field(i).type)
+                      for i, c in enumerate(columns)]
+            if writer is None:
+                schema = pa.schema([(n, a.type) for n, a in zip(header, arrays, strict=True)])
+                writer = pq.ParquetWriter(path, schema)
+            writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
+        if writer is None:  # no chunks: no rows
+            writer = pq.ParquetWriter(path, schema or pa.schema([(n, pa.float64()) for n in header]))
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def remove_run_files(out_dir: str | Path) -> list[str]:
@@ -326,13 +369,14 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
         try:
             ordered = sorted(states, key=lambda s: s.request.arrival_s)  # stable: ties keep the caller's order
             extra = extra_request_columns or {}
-            write(stage / f"requests.{ext}", (*REQUEST_COLUMNS, *extra),
-                  build=lambda: [*request_columns(ordered), *([cell(s) for s in ordered] for cell in extra.values())])
+            write(stage / f"requests.{ext}", (*REQUEST_COLUMNS, *extra), _one_chunk(
+                lambda: [*request_columns(ordered), *([cell(s) for s in ordered] for cell in extra.values())]))
             if tokens == "all":
-                write(stage / f"tokens.{ext}", TOKEN_COLUMNS, token_columns(ordered))
-            if steps is not None:
+                write(stage / f"tokens.{ext}", TOKEN_COLUMNS, [token_columns(ordered)])
+            if steps is not None:  # in chunks: the columns of a long run's steps are never all built at once
                 steps = steps if isinstance(steps, Sequence) else list(steps)
-                write(stage / f"steps.{ext}", StepRecord.columns(), step_columns(steps))
+                write(stage / f"steps.{ext}", StepRecord.columns(), step_chunks(steps),
+                      steps.cell_types() if isinstance(steps, StepLog) else None)
             for name, content in (extra_files or {}).items():
                 if isinstance(content, bytes):
                     (stage / name).write_bytes(content)

@@ -6,6 +6,7 @@ from array import array
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import astuple, dataclass, field
 from functools import partial
+from itertools import chain
 from operator import attrgetter
 from typing import overload
 
@@ -72,7 +73,8 @@ class StepLog(Sequence[StepRecord]):
     A step the loop applied (``add``) goes into the columns: the integer ones as int64 arrays, the two times as
     lists of the clock's own values (a clock may start at the int 0, which steps.csv prints as ``0``). The steps of
     a fast-forwarded decode run are its ``DecodeSteps`` (``add_run``) plus one int a step saying where it stands
-    among the others. ``columns`` gives the columns; reads rebuild equal StepRecords."""
+    among the others. ``column_chunks`` gives the columns a chunk of rows at a time (``columns``: all at once);
+    reads rebuild equal StepRecords."""
 
     def __init__(self, records: Iterator[StepRecord] | Sequence[StepRecord] = ()) -> None:
         self._cols = {c: [] if c in FLOAT_COLUMNS else array("q") for c in StepRecord.columns()}
@@ -139,67 +141,109 @@ class StepLog(Sequence[StepRecord]):
     def __iter__(self) -> Iterator[StepRecord]:
         return (self._record(i) for i in range(len(self)))
 
-    def columns(self) -> list[list | np.ndarray]:
-        """steps.csv's columns (``StepRecord.columns()`` order), new objects (the log stays appendable): the ints
-        as int64 arrays, the times as float64 arrays, or lists where a time is not a float."""
-        if not self._runs:
-            return [list(self._cols[c]) if c in FLOAT_COLUMNS else np.array(self._cols[c], dtype=np.int64)
-                    for c in StepRecord.columns()]
-        owner = np.array(self._owner, dtype=np.int64)
-        mine = np.flatnonzero(owner < 0)
-        theirs = np.flatnonzero(owner >= 0)
-        counts = np.bincount(owner[theirs], minlength=len(self._runs))
-        theirs = theirs[np.argsort(owner[theirs], kind="stable")]  # run by run, each in step order
-        run_cols = _run_columns(self._runs, counts)
-        out: list[list | np.ndarray] = []
+    def cell_types(self) -> list[set[type]]:
+        """Per column (``StepRecord.columns()`` order), the types of its values over the whole log: int for the
+        integer columns; the times' own (float, or an int where a clock started at 0). It fixes each column's type
+        before any chunk is built: the times are float64 arrays only when every time is a float, and a Parquet
+        writer gives every chunk the whole column's type."""
+        n = len(self)
+        counts = np.zeros(len(self._runs), dtype=np.int64)
+        for lo in range(0, n, 1 << 16):
+            owner = np.array(self._owner[lo:min(lo + (1 << 16), n)], dtype=np.int64)
+            counts += np.bincount(owner[owner >= 0], minlength=len(self._runs))
+        live = [(r, c) for r, c in zip(self._runs, counts.tolist(), strict=True) if c]
+        out = []
         for name in StepRecord.columns():
-            mine_col, their_col = self._cols[name], run_cols.get(name, 0)
-            if name in FLOAT_COLUMNS and not (isinstance(their_col, np.ndarray)
-                                              and set(map(type, mine_col)) <= {float}):
-                col = np.empty(len(owner), dtype=object)  # a time that is not a float: every value as it is
-                col[mine], col[theirs] = mine_col, their_col
-                out.append(col.tolist())
+            if name not in FLOAT_COLUMNS:
+                out.append({int})
                 continue
-            col = np.empty(len(owner), dtype=np.float64 if name in FLOAT_COLUMNS else np.int64)
-            col[mine], col[theirs] = mine_col, their_col
-            out.append(col)
+            types = set(map(type, self._cols[name]))
+            for r, c in live:  # step m starts at begin (m = 0) or ends[m - 1]
+                times, k = (r.durations, c) if name == "duration_s" else (r.ends, c - 1)
+                types |= {float} if isinstance(times, array) else set(map(type, times[:k]))
+                if name == "start_s":
+                    types.add(type(r.begin))
+            out.append(types)
         return out
 
+    def column_chunks(self, rows: int) -> Iterator[list[list | np.ndarray]]:
+        """steps.csv's columns (``StepRecord.columns()`` order) ``rows`` rows at a time, as new objects: the ints as
+        int64 arrays, the times as float64 arrays, or lists where a time in the log is not a float (``cell_types``).
+        At least one chunk (an empty log: empty columns). A chunk costs O(rows) memory whatever the log's length:
+        its own steps are a range of the columns, its fast-forwarded ones gathered from their runs' records."""
+        n, names = len(self), StepRecord.columns()
+        floats = {c for c, t in zip(names, self.cell_types(), strict=True) if t <= {float}}
+        runs = _RunRows(self._runs)
+        own = 0  # own steps before the chunk
+        for lo in range(0, max(n, 1), rows):
+            owner = np.array(self._owner[lo:min(lo + rows, n)], dtype=np.int64)
+            mine = np.flatnonzero(owner < 0)
+            theirs, their_cols = runs.rows(owner)
+            chunk: list[list | np.ndarray] = []
+            for name in names:
+                mine_col, their_col = self._cols[name][own:own + len(mine)], their_cols.get(name, 0)
+                if name in floats or name not in FLOAT_COLUMNS:
+                    col = np.empty(len(owner), dtype=np.float64 if name in FLOAT_COLUMNS else np.int64)
+                    col[mine] = mine_col
+                    col[theirs] = _doubles(their_col) if name in FLOAT_COLUMNS else their_col
+                    chunk.append(col)
+                elif len(theirs):  # a time that is not a float: every value as it is
+                    col = np.empty(len(owner), dtype=object)
+                    col[mine], col[theirs] = mine_col, [t for part in their_col for t in part]
+                    chunk.append(col.tolist())
+                else:
+                    chunk.append(mine_col)
+            own += len(mine)
+            yield chunk
 
-def _run_columns(runs: Sequence[DecodeSteps], counts: np.ndarray) -> dict[str, np.ndarray | list]:
-    """The columns of decode runs' steps (run after run, ``counts[k]`` steps of run k; the columns not given are
-    0), vectorised over every run at once. The times are float64 arrays, or lists where one is not a float."""
-    first = np.cumsum(counts) - counts  # each run's first row
-    m = np.arange(int(counts.sum())) - np.repeat(first, counts)  # step index within its run
-
-    def per_run(attr: str) -> np.ndarray:
-        return np.repeat(np.array([getattr(r, attr) for r in runs], dtype=np.int64), counts)
-
-    n = per_run("num_seqs")
-    changes = [(f + s, b) for r, f, c in zip(runs, first.tolist(), counts.tolist(), strict=True) if c
-               for s, b in r.blocks if s < c]
-    at = np.array([a for a, _ in changes], dtype=np.int64)
-    blocks = np.array([b for _, b in changes], dtype=np.int64)[np.searchsorted(at, np.arange(len(m)), "right") - 1]
-    cols: dict[str, np.ndarray | list] = {
-        "replica": per_run("replica"), "num_seqs": n, "num_batched_tokens": n, "num_decode_seqs": n,
-        "kv_tokens_read": per_run("kv_tokens_read") + m * n, "max_context_len": per_run("max_context_len") + m,
-        "kv_blocks_used": blocks}
-    live = [(r, c) for r, c in zip(runs, counts.tolist(), strict=True) if c]
-    ends = _times([r.ends[:c] for r, c in live])
-    durations = _times([r.durations[:c] for r, c in live])
-    begins = [r.begin for r, _ in live]
-    if isinstance(ends, np.ndarray) and set(map(type, begins)) <= {float}:
-        starts = np.empty(len(m))
-        starts[1:] = ends[:-1]
-        starts[first[counts > 0]] = begins
-    else:
-        starts = [t for (r, c), b in zip(live, begins, strict=True) for t in (b, *r.ends[:c - 1])]
-    return {**cols, "start_s": starts, "duration_s": durations}
+    def columns(self) -> list[list | np.ndarray]:
+        """steps.csv's columns (``column_chunks``, all rows in one chunk); the log stays appendable."""
+        return next(self.column_chunks(max(len(self), 1)))
 
 
-def _times(parts: list[Sequence[float]]) -> np.ndarray | list:
-    """Concatenated times: a float64 array when every part is an array of doubles or a list of floats, else a
-    list of the values as they are."""
-    if all(isinstance(p, array) or set(map(type, p)) <= {float} for p in parts):
-        return np.frombuffer(b"".join(p if isinstance(p, array) else array("d", p) for p in parts), dtype=np.float64)
-    return [t for p in parts for t in p]
+class _RunRows:
+    """The rows of fast-forwarded decode runs' steps, chunk after chunk (``StepLog.column_chunks``): per run its
+    constants as arrays and how many of its steps the chunks so far held, so a chunk's rows of a run are its next
+    steps. ``blocks``: every run's (step, KV blocks in use from then on) changes, keyed (run << 32) | step."""
+
+    def __init__(self, runs: Sequence[DecodeSteps]) -> None:
+        def per_run(attr: str) -> np.ndarray:
+            return np.array([getattr(r, attr) for r in runs], dtype=np.int64)
+
+        self.runs = runs
+        self.replica, self.num_seqs = per_run("replica"), per_run("num_seqs")
+        self.kv_tokens_read, self.max_context_len = per_run("kv_tokens_read"), per_run("max_context_len")
+        self.seen = np.zeros(len(runs), dtype=np.int64)
+        changes = np.fromiter(chain.from_iterable(chain.from_iterable(r.blocks for r in runs)), dtype=np.int64)
+        per_run_changes = np.fromiter(map(len, map(attrgetter("blocks"), runs)), dtype=np.int64, count=len(runs))
+        run = np.repeat(np.arange(len(runs), dtype=np.int64), per_run_changes)
+        self.block_keys = (run << 32) | changes[0::2]  # each run's from step 0
+        self.blocks = changes[1::2]
+
+    def rows(self, owner: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray | list[Sequence[float]]]]:
+        """The chunk's run rows (their positions, run by run, each run's in step order) and their columns (those
+        not given are 0); the times as the runs' slices, to be concatenated."""
+        theirs = np.flatnonzero(owner >= 0)
+        theirs = theirs[np.argsort(owner[theirs], kind="stable")]
+        run = owner[theirs]
+        ks, first, counts = np.unique(run, return_index=True, return_counts=True)
+        base = self.seen[ks]  # each run's steps in the chunks before
+        m = np.arange(len(run)) - np.repeat(first - base, counts)  # step index within its run
+        self.seen[ks] += counts
+        n = self.num_seqs[run]
+        blocks = self.blocks[np.searchsorted(self.block_keys, (run << 32) | m, "right") - 1]
+        starts: list[Sequence[float]] = []
+        durations: list[Sequence[float]] = []
+        for k, a, c in zip(ks.tolist(), base.tolist(), counts.tolist(), strict=True):
+            r = self.runs[k]
+            starts += (r.ends[a - 1:a + c - 1],) if a else ([r.begin], r.ends[:c - 1])
+            durations.append(r.durations[a:a + c])
+        return theirs, {
+            "replica": self.replica[run], "num_seqs": n, "num_batched_tokens": n, "num_decode_seqs": n,
+            "kv_tokens_read": self.kv_tokens_read[run] + m * n, "max_context_len": self.max_context_len[run] + m,
+            "kv_blocks_used": blocks, "start_s": starts, "duration_s": durations}
+
+
+def _doubles(parts: list[Sequence[float]]) -> np.ndarray:
+    """Float times concatenated into a float64 array (arrays of doubles copied as bytes)."""
+    return np.frombuffer(b"".join(p if isinstance(p, array) else array("d", p) for p in parts), dtype=np.float64)

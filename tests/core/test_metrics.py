@@ -2,7 +2,6 @@
 
 import json
 import math
-
 from unittest.mock import patch
 
 import numpy as np

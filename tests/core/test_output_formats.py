@@ -33,6 +33,7 @@ from core.output import (
 )
 from core.request import Request, RequestState, Status
 from tests.core.test_output import _states, _steps
+from tests.core.test_records import NAMES, random_log, reference_columns
 
 
 def _same(a: dict, b: dict) -> None:
@@ -248,7 +249,8 @@ def test_tokens_none_folds_token_times_and_changes_no_metric(tmp_path, fast_forw
     from sim.clock import simulate
 
     case = ["workload=shared_prefix", "workload.num_requests=60", "workload.warmup_requests=5", "replicas=2",
-            "request_timeout_s=0.2", "workload.arrival.rate_rps=40", "kv.num_blocks=64", "metrics.prompt_len_edges=[120,140]",
+            "request_timeout_s=0.2", "workload.arrival.rate_rps=40", "kv.num_blocks=64",
+            "metrics.prompt_len_edges=[120,140]",
             f"backend.fast_forward={fast_forward}", "output.plots=false"]
     base = _run(tmp_path, "all", *case)
     none = _run(tmp_path, "none", *case, "output.tokens=none")
@@ -302,3 +304,47 @@ def test_a_run_without_requests_reads_the_same_in_both_formats(tmp_path):
     _write_both(tmp_path, states=[], steps=[])
     for reader in (read_requests, read_tokens, read_steps):
         _same(reader(tmp_path / "csv"), reader(tmp_path / "pq"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([0, 1, 5, 40, 97]), st.sampled_from(["float", "int0", "int"]),
+       st.sampled_from([1, 7, 40, 1000]))
+def test_the_steps_file_in_chunks_is_the_whole_column_file(tmp_path_factory, seed, steps, times, rows):
+    """A step log's steps file written ``rows`` rows at a time (one row group per chunk): the CSV's bytes are
+    csv.writer's over the whole columns (by definition, tests.core.test_records) and a list of its records' file;
+    the Parquet table is the whole columns' (whole-column types: float64 times where the clock started at the int
+    0, int64 where every time is an int), the list's but for an empty log's types, and reads back as the CSV."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp_path = tmp_path_factory.mktemp("steps")
+    log = random_log(seed, steps, times)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(output, "_CHUNK_ROWS", rows)
+        chunked = _write_both(tmp_path / "log", steps=log)
+        whole = _write_both(tmp_path / "list", steps=list(log))
+    text = chunked[0]["steps.csv"].read_text()
+    assert text == ",".join(NAMES) + "\n" + _csv_reference(reference_columns(log))
+    assert chunked[0]["steps.csv"].read_bytes() == whole[0]["steps.csv"].read_bytes()
+    a = pq.ParquetFile(chunked[1]["steps.parquet"])
+    ref = pa.table({n: output._arrow_column(c) for n, c in zip(NAMES, reference_columns(log), strict=True)})
+    assert a.metadata.num_row_groups == max(1, -(-len(log) // rows))
+    assert a.read().equals(ref) and a.schema_arrow == ref.schema
+    assert not len(log) or pq.read_table(whole[1]["steps.parquet"]).equals(ref)
+    _same(read_steps(tmp_path / "log" / "csv"), read_steps(tmp_path / "log" / "pq"))
+
+
+def test_a_chunk_takes_the_whole_columns_parquet_type(tmp_path):
+    """Chunks whose own cells would give another type (ints only, in a column that has floats later) are written
+    as the whole column, from ``types``; without ``types`` the first chunk decides."""
+    import pyarrow.parquet as pq
+
+    chunks = [[[0, 1], ["a", "b"]], [[0.5, 2], [3, None]]]
+    types = [set().union(*(output._cell_types(c[j]) for c in chunks)) for j in range(2)]
+    output._write_parquet(tmp_path / "a.parquet", ["x", "y"], chunks, types)
+    output._write_parquet(tmp_path / "b.parquet", ["x", "y"], [[sum((c[j] for c in chunks), []) for j in range(2)]])
+    a, b = pq.read_table(tmp_path / "a.parquet"), pq.read_table(tmp_path / "b.parquet")
+    assert a.equals(b) and a.column("x").to_pylist() == [0.0, 1.0, 0.5, 2.0]
+    assert a.column("y").to_pylist() == ["a", "b", "3", ""]
+    output._write_parquet(tmp_path / "c.parquet", ["x"], iter([]), [{int}])  # no chunks: no rows, the type kept
+    assert str(pq.read_table(tmp_path / "c.parquet").schema.field("x").type) == "int64"
