@@ -231,9 +231,9 @@ def stats(values: Iterable[float], method: str = "nearest_rank",
     values when empty."""
     x = values if isinstance(values, np.ndarray) and values.dtype == np.float64 \
         else np.asarray([v for v in values if v is not None], dtype=np.float64)
-    x = np.sort(x)
     out: dict[str, Any] = {"count": int(x.size), "mean": float(x.mean()) if x.size else None,
                            "min": float(x.min()) if x.size else None, "max": float(x.max()) if x.size else None}
+    x = np.sort(x)  # after the mean: its summation order is the values' own
     for p in percentiles:
         out[f"p{p:g}"] = percentile(x, p, method, is_sorted=True)
     return out
