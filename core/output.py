@@ -21,7 +21,9 @@ cells, text columns as strings). ``read_table`` / ``read_requests`` / ``read_tok
 (a run directory, or a file path: a ``.csv`` path that is absent falls back to its ``.parquet`` sibling) into the
 same numpy columns. ``tokens`` (``output.tokens``): ``all`` writes the tokens file, ``none`` writes none (the
 metrics come from the request states, not from that file). CSV cells are formatted column by column (numpy, ``map``)
-into exactly the bytes ``csv.writer`` over ``fmt`` cells gives.
+into exactly the bytes ``csv.writer`` over ``fmt`` cells gives. A run's steps are written ``_CHUNK_ROWS`` rows at a
+time (``StepLog.column_chunks``; a Parquet row group each, every column of its whole column's type): millions of
+steps take no more memory to write than one chunk.
 """
 
 from __future__ import annotations
