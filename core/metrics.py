@@ -475,12 +475,11 @@ def summarize(states: Iterable[RequestState], slo: SLO | Mapping[str, Any] | Non
 
     n = np.array([s.request.prompt_len for s in measured], dtype=np.float64)
     h = np.array([s.num_cached_tokens for s in measured], dtype=np.float64)
-    lens = np.array([s.request.prompt_len for s in measured], dtype=np.int64)
-    bucket = np.searchsorted(np.asarray(edges), lens, side="right")
+    key = np.fromiter(map(pool.group, measured), dtype=np.int64, count=len(measured))  # the pool's group of each
+    bucket, hit = key // 2, key % 2 == 1
     prompt_groups = {label: group(bucket == i, (2 * i, 2 * i + 1)) for i, label in enumerate(bucket_labels(edges))}
-    hit = h > 0
-    num_buckets = len(edges) + 1
-    prefix_groups = {"hit": group(hit, range(1, 2 * num_buckets, 2)), "miss": group(~hit, range(0, 2 * num_buckets, 2))}
+    keys = range(len(pool.sets))
+    prefix_groups = {"hit": group(hit, keys[1::2]), "miss": group(~hit, keys[::2])}
 
     return {
         "num_requests": len(measured),
