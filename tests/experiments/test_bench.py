@@ -46,3 +46,21 @@ def test_http_serving_vs_offline_engine():
     out = main(["--requests", "32"])
     print(f"tokens/s through HTTP / offline engine: {out['http_over_offline']:.2f}x (goal >= 0.9x); "
           f"loadgen send lag p99 {out['send_lag_p99_ms']:.1f} ms")
+
+
+def test_engine_benchmark_smoke():
+    """bench_engine's code paths on a tiny model: with one repeat each reported ratio is the quotient of the rates
+    reported next to it (rounded to 3 places), and the roofline comes from the measured probe."""
+    from experiments.bench_engine import main
+
+    out = main(["--batches", "1,3", "--waves", "1", "--prompt", "8", "--output", "4", "--repeats", "1",
+                "--hidden", "64", "--layers", "2", "--vocab", "512"])
+    assert out["probe"]["read_gb_s"] > 0 and out["probe"]["gemm_gflop_s"] > 0
+    for b in (1, 3):
+        r = out[f"batch_{b}"]
+        for ratio, num, den in (("speedup_vs_hf", "engine_tok_s", "hf_tok_s"),
+                                ("max_speedup_vs_hf", "roofline_tok_s", "hf_tok_s"),
+                                ("engine_roofline_fraction", "engine_tok_s", "roofline_tok_s")):
+            assert r[ratio] == pytest.approx(r[num] / r[den], rel=2e-3, abs=1e-3), ratio
+        assert r["roofline_tok_s"] > 0 and r["decode_floor_ms"] > 0
+        assert r["engine_steps"] == 4  # one prefill step, then one decode step per remaining output token

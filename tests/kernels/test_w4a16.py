@@ -1,12 +1,20 @@
 """W4A16: the format's error bound, the packing layout by hand, the torch linear against a float64 matmul, and the
-Triton GEMM against the torch reference."""
+Triton GEMV and GEMM against the torch reference."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels.w4a16 import QuantizedWeight, dequantize_w4, quantize_w4, w4a16_linear_torch, w4a16_linear_triton
+from kernels.w4a16 import (
+    GEMV_MAX_M,
+    SPLIT_K_MAX_M,
+    QuantizedWeight,
+    dequantize_w4,
+    quantize_w4,
+    w4a16_linear_torch,
+    w4a16_linear_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,12 +92,12 @@ def test_torch_linear_equals_dequantised_matmul(dtype, zero_point):
                                atol=1e-5 if dtype == torch.float32 else None)
 
 
-def _check_triton(M, N, K, G, zero_point, with_bias, dtype, device):
-    qw = quantize_w4(_w(N, K, seed=M + N + K), G, zero_point).to(device)
-    g = torch.Generator().manual_seed(M)
+def _check_triton(M, N, K, G, zero_point, with_bias, dtype, device, seed=0, **kwargs):
+    qw = quantize_w4(_w(N, K, seed=M + N + K + seed), G, zero_point).to(device)
+    g = torch.Generator().manual_seed(M + seed)
     x = torch.randn(M, K, generator=g).to(device, dtype)
     bias = torch.randn(N, generator=g).to(device, dtype) if with_bias else None
-    out, ref = w4a16_linear_triton(x, qw, bias), w4a16_linear_torch(x, qw, bias)
+    out, ref = w4a16_linear_triton(x, qw, bias, **kwargs), w4a16_linear_torch(x, qw, bias)
     assert out.dtype == dtype and out.shape == (M, N)
     # fp32 accumulates in a different order; 16-bit paths also round the dequantised weight to the activation dtype
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
@@ -102,25 +110,109 @@ def _check_triton(M, N, K, G, zero_point, with_bias, dtype, device):
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("zero_point", [True, False])
 def test_triton_matches_torch(M, zero_point, dtype):
-    _check_triton(M, 100, 256, 64, zero_point, with_bias=M == 3, dtype=dtype, device=DEVICE)
+    """The tl.dot GEMM, at decode M too (forced: the GEMV takes those by default)."""
+    _check_triton(M, 100, 256, 64, zero_point, with_bias=M == 3, dtype=dtype, device=DEVICE, gemv=False)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_gemv_matches_torch(M, zero_point, dtype):
+    """The dot-free GEMV at every BLOCK_M bucket (1, 2, 4, 8; 16 only when forced), odd N: a partial N tile."""
+    _check_triton(M, 67, 256, 64, zero_point, with_bias=M % 2 == 1, dtype=dtype, device=DEVICE, gemv=True)
+
+
+@pytest.mark.interpreter
+@given(M=st.integers(1, GEMV_MAX_M), N=st.integers(1, 40), groups=st.integers(1, 3),
+       group_size=st.sampled_from([16, 32, 64, 128, 512]), zero_point=st.booleans(), with_bias=st.booleans(),
+       split_k=st.none() | st.integers(1, 5), fp16=st.booleans(), seed=st.integers(0, 99))
+def test_gemv_matches_torch_property(M, N, groups, group_size, zero_point, with_bias, split_k, fp16, seed):
+    """Small shapes (the interpreter is slow): K tiles of 16 to 256 (512-groups hold two), split-K past K's tiles."""
+    _check_triton(M, N, groups * group_size, group_size, zero_point, with_bias,
+                  torch.float16 if fp16 else torch.float32, DEVICE, seed=seed, split_k=split_k, gemv=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_n,block_k", [(4, 64), (8, 256), (64, 32)])
+def test_gemv_tile_shapes(monkeypatch, block_n, block_k):
+    """GEMV tiles other than the interpreter's default (the first config): narrow and wide N, K tiles from 32 to a
+    whole 256-group, several K tiles per split."""
+    from kernels import w4a16
+
+    monkeypatch.setattr(w4a16, "GEMV_CONFIGS", ((block_n, block_k, 4, 1),))
+    for M, G, split_k in ((5, 256, None), (2, 64, 2), (8, 128, 3)):
+        _check_triton(M, 21, 512, G, M % 2 == 1, True, torch.float32, DEVICE, gemv=True, split_k=split_k)
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("group", [16, 32, 48, 64, 128, 256, 1024])
+def test_gemv_configs_fit(block_m, group):
+    """Every GEMV config cut to a launch: a power-of-two K tile that divides the group and the split unit, and a
+    product tile within the per-thread register budget."""
+    from kernels.w4a16 import GEMV_PRODUCTS_PER_THREAD, _fit_gemv, _gemv_block_k
+
+    unit = _gemv_block_k(group)
+    assert group % unit == 0 and unit <= 256
+    configs = _fit_gemv(block_m, group)
+    assert configs and len(set(configs)) == len(configs)
+    for n, k, warps, _ in configs:
+        assert unit % k == 0 and k & (k - 1) == 0 and n >= 1 and n & (n - 1) == 0
+        assert block_m * n * k <= GEMV_PRODUCTS_PER_THREAD * 32 * warps
+
+
+@pytest.mark.interpreter
+def test_dispatch_by_m(monkeypatch):
+    """M <= GEMV_MAX_M takes the GEMV, larger M the tl.dot GEMM; ``gemv=`` forces either (the same bits as the
+    automatic choice), and the GEMV refuses M > SPLIT_K_MAX_M."""
+    from kernels import w4a16
+
+    taken = []
+
+    class Spy:
+        def __init__(self, name, launch):
+            self.name, self.launch = name, launch
+
+        def __getitem__(self, grid):
+            taken.append(self.name)
+            return self.launch[grid]
+
+    monkeypatch.setattr(w4a16, "_gemv_launch", Spy("gemv", w4a16._gemv_launch))
+    monkeypatch.setattr(w4a16, "_w4_launch", Spy("dot", w4a16._w4_launch))
+    qw = quantize_w4(_w(24, 64), group_size=32).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    for M, path in ((1, "gemv"), (GEMV_MAX_M, "gemv"), (GEMV_MAX_M + 1, "dot"), (SPLIT_K_MAX_M + 1, "dot")):
+        x = torch.randn(M, 64, generator=g).to(DEVICE)
+        auto = w4a16_linear_triton(x, qw)
+        assert taken[-1] == path
+        forced = w4a16_linear_triton(x, qw, gemv=path == "gemv")
+        assert taken[-1] == path and torch.equal(auto, forced)
+        w4a16_linear_triton(x[:1], qw, gemv=False)
+        assert taken[-1] == "dot"
+    w4a16_linear_triton(torch.zeros(SPLIT_K_MAX_M, 64, device=DEVICE), qw, gemv=True)
+    assert taken[-1] == "gemv"
+    with pytest.raises(ValueError, match=f"M <= {SPLIT_K_MAX_M}"):
+        w4a16_linear_triton(torch.zeros(SPLIT_K_MAX_M + 1, 64, device=DEVICE), qw, gemv=True)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("N,K,G", [(72, 384, 128), (16, 96, 32), (130, 160, 16)])
-def test_triton_group_shapes(N, K, G):
-    _check_triton(5, N, K, G, True, True, torch.float16, DEVICE)
+@pytest.mark.parametrize("gemv", [True, False])
+def test_triton_group_shapes(N, K, G, gemv):
+    _check_triton(5, N, K, G, True, True, torch.float16, DEVICE, gemv=gemv)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("split_k", [2, 3, 5])
-def test_triton_split_k_matches_torch(split_k):
-    """Decode shapes sum K partitions in fp32 (bias added once, after the sum); 5 > K tiles clamps."""
+@pytest.mark.parametrize("gemv", [True, False])
+def test_triton_split_k_matches_torch(split_k, gemv):
+    """Decode shapes sum K partitions in fp32 (bias added once, after the sum), on both paths; 5 > K tiles clamps."""
     for dtype in (torch.float32, torch.float16):
         x = torch.randn(2, 192, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
         qw = quantize_w4(_w(40, 192), group_size=64).to(DEVICE)
         bias = torch.randn(40).to(dtype).to(DEVICE)
         ref = w4a16_linear_torch(x, qw, bias)
-        out = w4a16_linear_triton(x, qw, bias, split_k=split_k)
+        out = w4a16_linear_triton(x, qw, bias, split_k=split_k, gemv=gemv)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=1e-4 if dtype == torch.float32 else 2e-3)
 
@@ -160,7 +252,8 @@ def test_triton_rejects_small_groups_and_handles_empty():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3, 17, 257])
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 257])
 @pytest.mark.parametrize("zero_point", [True, False])
 def test_triton_gpu(M, zero_point, dtype):
+    """Llama-sized N and K: the GEMV (M <= 8), the split-K GEMM (16), the GEMM (17) and the cuBLAS path (257)."""
     _check_triton(M, 4100, 4096, 128, zero_point, with_bias=True, dtype=dtype, device="cuda")
