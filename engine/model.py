@@ -23,10 +23,11 @@ from kernels.w4a16 import QuantizedWeight, quantize_w4
 CPU_ROW_CHUNK = 512
 
 
-# CPU GEMMs of 3+ rows (batched decodes, prefills) run on a oneDNN-packed copy of the fp32 weight: ~2x MKL's
-# speed at 4-32 rows on the 32000 x 512 LM head, ~1.3x on the layers' shapes, even at 512 rows; 1-2 rows (batch-1
-# decode) stay on MKL and the transposed layout below, which is faster there. The copy doubles weight memory.
-PACKED_MIN_ROWS = 3
+# CPU GEMMs of 2+ rows (batched decodes, prefills) run on a oneDNN-packed copy of the fp32 weight: ~2x MKL's
+# speed at 4-32 rows on the 32000 x 512 LM head, ~1.3x on the layers' shapes, even at 512 rows, ~1.12x over a whole
+# 2-row decode step (docs/cpu_notes.md); 1 row (batch-1 decode) stays on MKL and the transposed layout below, which
+# is ~1.3x faster there. The copy doubles weight memory.
+PACKED_MIN_ROWS = 2
 _ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 

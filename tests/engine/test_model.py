@@ -143,4 +143,6 @@ def test_packed_cpu_linear_matches_f_linear():
         torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
         w.mul_(2)  # in place: the version counter moves, the packed copy is remade
         torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x[:PACKED_MIN_ROWS], w), F.linear(x[:PACKED_MIN_ROWS], w), atol=1e-5,
+                                   rtol=1e-5)
         torch.testing.assert_close(linear(x[:1], w), F.linear(x[:1], w), atol=0, rtol=0)  # one row: F.linear
