@@ -48,10 +48,10 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 BLOCK = 16
 
 
-def timeit(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median seconds of ``fn`` after two warm-up calls, synchronising the device around each call."""
+def timeit(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn`` after ``warmup`` calls, synchronising the device around each call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
@@ -66,9 +66,10 @@ def timeit(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 def kernel_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median GPU seconds of one kernel-level call: on CUDA ``triton.testing.do_bench`` (device events, and an L2
     flush between calls that also hides the host's launch time, which a single small kernel would otherwise be
-    timed by); elsewhere ``timeit``."""
+    timed by); elsewhere ``timeit``, without warm-up under the Triton interpreter (a smoke run: nothing compiles,
+    and each interpreted call takes seconds)."""
     if device.type != "cuda":
-        return timeit(fn, device, reps)
+        return timeit(fn, device, reps, warmup=0 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=max(20, 5 * reps), return_mode="median") / 1e3
