@@ -149,7 +149,11 @@ class LoopThread:
         stream = self.streams.pop(state.id, None)
         if stream is not None:  # a request ends inside apply(), before the step's tokens go out: send its last ones
             last = [(stream.queue, TokenEvent(t, now)) for t in state.output_token_ids[stream.delivered:]]
-            self.aio.call_soon_threadsafe(_deliver, [*last, (stream.queue, EndEvent(state.status, state.reason))])
+            items = [*last, (stream.queue, EndEvent(state.status, state.reason))]
+            # sent once this turn of the loop is over, after the step's listeners (the metrics): a client that has
+            # seen its request end finds all of its tokens in /metrics
+            if self.clock.call(lambda: self.aio.call_soon_threadsafe(_deliver, items)).done():  # clock stopped
+                self.aio.call_soon_threadsafe(_deliver, items)
         if self.metrics is not None:
             self.metrics.on_terminal(state)
 
