@@ -101,8 +101,11 @@ def test_copy_moves_exactly_the_blocks(setup):
     spec, model = setup[0], setup[1]
     kvs = [KVCacheManager(6, BLOCK, LRUEviction()) for _ in range(2)]
     runners = [build_engine_executor(spec, kv_manager=kv, model=model).runner for kv in kvs]
-    for c in runners[1].kv_caches:
-        c.k.zero_(), c.v.zero_()
+    g = torch.Generator().manual_seed(0)
+    for src, dst in zip(runners[0].kv_caches, runners[1].kv_caches, strict=True):
+        # the pools start uninitialised: a NaN there would make torch.equal fail on an exact copy
+        src.k.copy_(torch.randn(src.k.shape, generator=g)), src.v.copy_(torch.randn(src.v.shape, generator=g))
+        dst.k.zero_(), dst.v.zero_()
     seconds = TorchKVTransport(runners).transfer(0, 1, [4, 1], [0, 5], 7)
     assert seconds > 0
     for a, b in zip(runners[0].kv_caches, runners[1].kv_caches, strict=True):
