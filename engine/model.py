@@ -14,6 +14,7 @@ from torch import nn
 
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache, paged_attention
+from kernels.cpu_gemm import CpuLinear
 from kernels.ops import KernelSet
 from kernels.rope import rope_cos_sin
 from kernels.w4a16 import QuantizedWeight, quantize_w4
@@ -21,37 +22,6 @@ from kernels.w4a16 import QuantizedWeight, quantize_w4
 # Tokens per pass through a layer's token-wise ops on CPU: a long prefill's intermediates (the MLP's
 # [T, 2 * intermediate] above all) then stay in cache; ~1/3 off those ops for a 2k-token prefill. GPUs take all rows.
 CPU_ROW_CHUNK = 512
-
-
-# CPU GEMMs of 2+ rows (batched decodes, prefills) run on a oneDNN-packed copy of the fp32 weight: ~2x MKL's
-# speed at 4-32 rows on the 32000 x 512 LM head, ~1.3x on the layers' shapes, even at 512 rows, ~1.12x over a whole
-# 2-row decode step (docs/cpu_notes.md); 1 row (batch-1 decode) stays on MKL and the transposed layout below, which
-# is ~1.3x faster there. The copy doubles weight memory.
-PACKED_MIN_ROWS = 2
-_ONEDNN = torch.backends.mkldnn.is_available() and all(
-    hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
-
-
-class CpuLinear:
-    """F.linear, or on CPU with enough rows a oneDNN-packed copy of the fp32 weight, kept here (one per layer: no
-    process-wide cache) and remade when the weight changes (its data pointer or version counter)."""
-
-    __slots__ = ("key", "packed")
-
-    def __init__(self) -> None:
-        self.key: tuple[int, int] | None = None
-        self.packed: torch.Tensor | None = None
-
-    def __deepcopy__(self, memo: dict) -> CpuLinear:
-        return CpuLinear()  # a cache of the weight: a copied model packs its own (a oneDNN tensor cannot be copied)
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.device.type != "cpu" or x.shape[0] < PACKED_MIN_ROWS or not _ONEDNN or x.dtype != torch.float32:
-            return F.linear(x, weight, bias)
-        key = (weight.data_ptr(), weight._version)
-        if key != self.key:
-            self.key, self.packed = key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -210,6 +180,13 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised)."""
         return self.logits_matmul(hidden,
                                   self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def pack_cpu_weights(self) -> None:
+        """Pack every fp32 CPU GEMM's weight copies now (warm-up) rather than in a timed step."""
+        for module in self.model.layers.modules():
+            if isinstance(module, Linear) and module.weight is not None:
+                module.matmul.prepack(module.weight)
+        self.logits_matmul.prepack(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def quantize(self, group_size: int = 128, zero_point: bool = True) -> None:
         """W4A16: replace every projection in the decoder layers by a group-wise 4-bit weight."""

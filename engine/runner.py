@@ -182,7 +182,11 @@ class ModelRunner:
     def warmup_kernels(self) -> None:
         """Compile (and autotune) every Triton variant a run can launch, on scratch inputs, so no compile time lands
         in a timed step: attention decode-only and mixed, each with and without split-K; W4A16 at each M tile of
-        every projection shape. Reads KV cache blocks (whatever they hold); writes nothing shared."""
+        every projection shape. Reads KV cache blocks (whatever they hold); writes nothing shared. On CPU: pack the
+        fp32 GEMMs' weight copies (kernels.cpu_gemm) and build the native GEMM."""
+        if self.device.type == "cpu":
+            self.model.pack_cpu_weights()
+            return
         if self.device.type != "cuda" or self._plan_attention:
             return
         from kernels.w4a16 import WARMUP_M

@@ -16,6 +16,8 @@ close the engine and transformers come, and ``max_speedup_vs_hf`` = roofline / t
 engine can show against transformers here (a goal above it needs fewer bytes or FLOPs, not a faster engine).
 ``--varied`` serves mixed prompt / output lengths (a static batch then runs until its longest output is done);
 the default equal lengths are static batching's best case.
+``small_batch_gemm`` names what runs the engine's 2-64-row fp32 GEMMs (kernels.cpu_gemm); ``TWINSERVE_NATIVE_GEMM=0``
+in the environment puts them back on oneDNN, to measure what the native kernel brings.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from core.request import Request
 from core.specs import HardwareSpec, ModelSpec
 from engine.executor import build_engine_executor
 from engine.loader import build_model
+from kernels.cpu_gemm import native_gemm_name
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     vllm_python = _vllm_python(args.vllm)
     hw = measure_cpu()
     probe = {"read_gb_s": round(hw.mem_bw / 1e9, 2), "gemm_gflop_s": round(hw.peak_flops / 1e9, 1)}
-    print(json.dumps({"probe": probe}), flush=True)
+    print(json.dumps({"probe": probe, "small_batch_gemm": native_gemm_name()}), flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as d:
         make_checkpoint(d, num_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab)
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[f"batch_{batch}"] = res
             print(json.dumps({f"batch_{batch}": res}), flush=True)
     result = {"model": f"llama {args.layers}L hidden {args.hidden} vocab {args.vocab} fp32", "threads": args.threads,
-              "probe": probe,
+              "probe": probe, "small_batch_gemm": native_gemm_name(),
               "repeats": args.repeats, "prompt": args.prompt, "output": args.output,
               "workload": "varied lengths" if args.varied else "equal lengths", **results}
     print(json.dumps(result, indent=1))

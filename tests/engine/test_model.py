@@ -127,22 +127,3 @@ def test_linear_weights_keep_the_nn_linear_shape(tmp_path):
     proj = load_model(path).model.layers[0].mlp.down_proj.weight
     assert proj.shape == hf.model.layers[0].mlp.down_proj.weight.shape and proj.stride() == (1, proj.shape[0])
     assert torch.equal(proj, hf.model.layers[0].mlp.down_proj.weight)
-
-
-def test_packed_cpu_linear_matches_f_linear():
-    """CPU GEMMs of PACKED_MIN_ROWS+ rows use a oneDNN-packed weight copy, remade when the weight changes; either
-    memory layout of the weight gives F.linear's result."""
-    import torch.nn.functional as F
-
-    from engine.model import PACKED_MIN_ROWS, CpuLinear
-
-    g = torch.Generator().manual_seed(0)
-    x, bias = torch.randn(PACKED_MIN_ROWS + 2, 64, generator=g), torch.randn(300, generator=g)
-    for w in (torch.randn(300, 64, generator=g), torch.randn(64, 300, generator=g).t()):
-        linear = CpuLinear()  # one per weight, as each layer holds its own
-        torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
-        w.mul_(2)  # in place: the version counter moves, the packed copy is remade
-        torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(linear(x[:PACKED_MIN_ROWS], w), F.linear(x[:PACKED_MIN_ROWS], w), atol=1e-5,
-                                   rtol=1e-5)
-        torch.testing.assert_close(linear(x[:1], w), F.linear(x[:1], w), atol=0, rtol=0)  # one row: F.linear

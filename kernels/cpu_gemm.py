@@ -1,0 +1,188 @@
+"""CPU fp32 linear layers: which GEMM runs at which row count, and the native small-M kernel (cpu_gemm.c).
+
+Decode steps run GEMMs of a few rows over weights far larger than the caches, so they are bound by how fast the
+weights stream from DRAM. Measured on this project's machines (docs/cpu_notes.md), one thread, the 17 GEMMs of a
+decode step of the 44M Llama:
+- 1 row: MKL's GEMV on the transposed [in, out] layout streams at the probe's bandwidth; it stays.
+- 2..NATIVE_MAX_ROWS rows: cpu_gemm.c, over a panel-packed copy of the weight with software prefetch (oneDNN's
+  packed GEMM leaves the weight stream short of bandwidth at these sizes): decode steps take 13% less time at
+  batch 8 and 16% less at batch 32 than on oneDNN.
+- more rows (prefill): oneDNN's packed GEMM, compute-bound, ~1.1x the native kernel there.
+The native kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``) for this machine
+(-march=native) and cached under ``$TWINSERVE_CACHE`` (default ``~/.cache/twinserve``). Without a compiler, on a
+non-x86 machine, or with ``TWINSERVE_NATIVE_GEMM=0``, oneDNN takes those rows instead (a failed build logs a
+warning saying why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+PACKED_MIN_ROWS = 2  # 1 row: MKL's GEMV on the transposed layout (engine.model._linear_weight) is the fastest
+# Above these row counts oneDNN's compute-bound kernels win. 512-bit build: ~1.06-1.2x oneDNN at 64 rows, 0.9x at
+# 96-512. 256-bit build: measured only on an AVX-512 CPU (against oneDNN's AVX-512 kernels), 0.93x at 32 rows and
+# 0.7x at 64; oneDNN on an AVX2-only CPU is slower than that, so 32 is a conservative cut there.
+NATIVE_MAX_ROWS = {64: 64, 32: 32}  # vector bytes of the build -> most rows it takes
+ONEDNN = torch.backends.mkldnn.is_available() and all(
+    hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("TWINSERVE_CACHE"):
+        return Path(os.environ["TWINSERVE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "twinserve"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: a build is only reused on a CPU with the same flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(cc: str) -> Path:
+    """Compile cpu_gemm.c once per source, flags, compiler and CPU; concurrent builders each write a private file
+    and rename it into place, so a reader never sees a partial library."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, cc, _cpu_id()]).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        out_dir = Path(tempfile.gettempdir()) / "twinserve"
+        out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"cpu_gemm-{key}.so"
+    if not lib.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+                           timeout=120)
+            os.replace(tmp, lib)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with a warning saying why) where it cannot or should not run."""
+    if os.environ.get("TWINSERVE_NATIVE_GEMM", "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None  # measured on x86 only; oneDNN elsewhere
+    cc = os.environ.get("CC", "cc")
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except subprocess.CalledProcessError as e:
+        log.warning("native CPU GEMM not built (%s failed: %s); oneDNN runs small-batch GEMMs", cc,
+                    (e.stderr or "").strip()[-300:])
+        return None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # RuntimeError: no home directory
+        log.warning("native CPU GEMM not built (%s); oneDNN runs small-batch GEMMs", e)
+        return None
+    if lib.tw_vector_bytes() == 0:
+        log.warning("native CPU GEMM: this CPU has no AVX2/AVX-512 FMA; oneDNN runs small-batch GEMMs")
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.tw_gemm.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, ctypes.c_int]
+    lib.tw_gemm.restype = None
+    return lib
+
+
+def native_gemm_name() -> str:
+    """What runs small-batch fp32 GEMMs in this process, for benchmark reports."""
+    lib = native_library()
+    return "onednn" if lib is None else f"native {8 * lib.tw_vector_bytes()}-bit"
+
+
+def pack_weight(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+    """W [N, K] (any strides) -> [ceil(N / NR), K, NR] fp32 panels of NR output columns, zero-padded past N."""
+    n, k = weight.shape
+    nr = lib.tw_panel_width()
+    panels = -(-n // nr)
+    w = F.pad(weight.detach().float(), (0, 0, 0, panels * nr - n))
+    return w.view(panels, nr, k).transpose(1, 2).contiguous()
+
+
+def native_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                  lib: ctypes.CDLL) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T (+ bias) with W as pack_weight packed it -> [M, out_features]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    if packed.shape[1] != k:
+        raise ValueError(f"x has {k} features, the packed weight {packed.shape[1]}")
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    b = None if bias is None else bias.detach().float().contiguous()
+    lib.tw_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), out_features, out.data_ptr(), out_features,
+                None if b is None else b.data_ptr(), torch.get_num_threads())
+    return out
+
+
+class CpuLinear:
+    """F.linear for one weight, or on CPU with fp32 rows the faster GEMM for the row count (module docstring),
+    over packed copies of the weight kept here (one per layer: no process-wide cache) and remade when the weight
+    changes (its data pointer or version counter)."""
+
+    __slots__ = ("key", "onednn", "native")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.onednn: torch.Tensor | None = None
+        self.native: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> CpuLinear:
+        return CpuLinear()  # a cache of the weight: a copied model packs its own (a oneDNN tensor cannot be copied)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
+                or rows < PACKED_MIN_ROWS):
+            return F.linear(x, weight, bias)
+        self._check(weight)
+        lib = native_library()
+        if lib is not None and rows <= NATIVE_MAX_ROWS[lib.tw_vector_bytes()]:
+            if self.native is None:
+                self.native = pack_weight(weight, lib)
+            return native_linear(x, self.native, weight.shape[0], bias, lib)
+        if not ONEDNN:
+            return F.linear(x, weight, bias)
+        if self.onednn is None:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+
+    def prepack(self, weight: torch.Tensor) -> None:
+        """Make every packed copy a run can use now (engine warm-up), not in the first timed step that needs it."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        self._check(weight)
+        lib = native_library()
+        if lib is not None and self.native is None:
+            self.native = pack_weight(weight, lib)
+        if ONEDNN and self.onednn is None:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+    def _check(self, weight: torch.Tensor) -> None:
+        key = (weight.data_ptr(), weight._version)
+        if key != self.key:
+            self.key, self.onednn, self.native = key, None, None

@@ -1,0 +1,178 @@
+"""CPU fp32 GEMMs: the native kernel against a float64 matmul over varied shapes (panel tails, row-block tails,
+odd K, bias, strided rows), its batch and thread invariance, CpuLinear's dispatch and repacking, and the fallbacks
+when the kernel cannot be built."""
+
+import logging
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels import cpu_gemm
+from kernels.cpu_gemm import NATIVE_MAX_ROWS, PACKED_MIN_ROWS, CpuLinear, native_library, native_linear, pack_weight
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = native_library()
+    if lib is None:
+        pytest.skip("native CPU GEMM unavailable here (not x86 with AVX2/AVX-512 FMA, or no C compiler)")
+    return lib
+
+
+def _data(M, N, K, seed=0, transposed=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(K, N, generator=g).t() if transposed else torch.randn(N, K, generator=g)
+    return x, w, torch.randn(N, generator=g)
+
+
+def _reference(x, w, bias=None):
+    return F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+
+
+@given(M=st.integers(1, 130), N=st.integers(1, 100), K=st.integers(1, 300), with_bias=st.booleans(),
+       transposed=st.booleans())
+def test_native_linear_matches_float64(lib, M, N, K, with_bias, transposed):
+    x, w, bias = _data(M, N, K, transposed=transposed)
+    bias = bias if with_bias else None
+    out = native_linear(x, pack_weight(w, lib), N, bias, lib)
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    # fp32 FMA chain over K terms of size ~1: error grows like sqrt(K) * eps * |x||w|
+    torch.testing.assert_close(out, _reference(x, w, bias), atol=2e-6 * K + 1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("N,K", [(1, 1), (33, 17), (512, 512), (1000, 1408), (32000, 64)])
+def test_native_linear_model_shapes(lib, N, K):
+    for M in (2, 3, 8, 9, 17, 32, 64):
+        x, w, bias = _data(M, N, K, seed=M, transposed=True)
+        torch.testing.assert_close(native_linear(x, pack_weight(w, lib), N, bias, lib), _reference(x, w, bias),
+                                   atol=2e-6 * K + 1e-6, rtol=1e-5)
+
+
+def test_packing_layout(lib):
+    """Panel p holds columns [p*NR, p*NR + NR) as [K][NR], zeros past N."""
+    nr = lib.tw_panel_width()
+    N, K = nr + 3, 5
+    w = torch.arange(N * K, dtype=torch.float32).view(N, K)
+    packed = pack_weight(w, lib)
+    assert packed.shape == (2, K, nr)
+    assert torch.equal(packed[0], w[:nr].t()) and torch.equal(packed[1, :, :3], w[nr:].t())
+    assert not packed[1, :, 3:].any()
+
+
+def test_rows_do_not_depend_on_the_batch(lib):
+    """Every output element is one FMA chain over k in order: a row's bits are the same whatever M, its position
+    or the row block it falls in (batch invariance)."""
+    x, w, bias = _data(64, 300, 200)
+    packed = pack_weight(w, lib)
+    full = native_linear(x, packed, 300, bias, lib)
+    for m in (1, 2, 7, 8, 9, 33):
+        assert torch.equal(native_linear(x[:m], packed, 300, bias, lib), full[:m])
+    assert torch.equal(native_linear(x[5:6], packed, 300, bias, lib), full[5:6])
+
+
+def test_threads_and_strided_rows_give_the_same_bits(lib):
+    x, w, bias = _data(12, 1000, 96)
+    packed = pack_weight(w, lib)
+    one = native_linear(x, packed, 1000, bias, lib)
+    wide = torch.zeros(12, 200)
+    wide[:, 50:146] = x
+    assert torch.equal(native_linear(wide[:, 50:146], packed, 1000, bias, lib), one)  # row stride 200, not K
+    assert torch.equal(native_linear(x.t().contiguous().t(), packed, 1000, bias, lib), one)  # column-major x
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native_linear(x, packed, 1000, bias, lib), one)  # panels split over threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_linear_rejects_a_mismatched_weight(lib):
+    x, w, _ = _data(4, 10, 16)
+    with pytest.raises(ValueError, match="16 features, the packed weight 8"):
+        native_linear(x, pack_weight(w[:, :8], lib), 10, None, lib)
+
+
+def test_cpu_linear_dispatch_and_repacking(lib):
+    """1 row: F.linear itself; PACKED_MIN_ROWS..NATIVE_MAX_ROWS: the native kernel; more: oneDNN (or F.linear).
+    The packed copies follow in-place weight updates (version counter) and prepack makes both ahead of time."""
+    x, w, bias = _data(NATIVE_MAX_ROWS[lib.tw_vector_bytes()] + 8, 300, 64, transposed=True)
+    linear = CpuLinear()
+    assert torch.equal(linear(x[:1], w, bias), F.linear(x[:1], w, bias))
+    assert linear.native is None and linear.onednn is None
+    small = linear(x[:PACKED_MIN_ROWS + 3], w, bias)
+    assert linear.native is not None and linear.onednn is None
+    assert torch.equal(small, native_linear(x[:PACKED_MIN_ROWS + 3], linear.native, 300, bias, lib))
+    torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    assert linear.onednn is not None or not cpu_gemm.ONEDNN
+    w.mul_(2)  # in place: the version counter moves, both packed copies are remade on use
+    torch.testing.assert_close(linear(x[:8], w), _reference(x[:8], w), atol=1e-4, rtol=1e-5)
+    assert linear.onednn is None
+    fresh = CpuLinear()
+    fresh.prepack(w)
+    assert fresh.native is not None and (fresh.onednn is not None or not cpu_gemm.ONEDNN)
+    fresh.prepack(w.double())  # not an fp32 CPU weight: nothing to pack
+    assert torch.equal(fresh(x[:8], w), linear(x[:8], w))
+
+
+def test_cpu_linear_leaves_other_dtypes_to_f_linear():
+    x, w, bias = _data(8, 40, 16)
+    for dtype in (torch.float64, torch.bfloat16):
+        assert torch.equal(CpuLinear()(x.to(dtype), w.to(dtype), bias.to(dtype)),
+                           F.linear(x.to(dtype), w.to(dtype), bias.to(dtype)))
+
+
+def _fresh_library(monkeypatch, tmp_path, **env):
+    with monkeypatch.context() as m:
+        m.setenv("TWINSERVE_CACHE", str(tmp_path))
+        for k, v in env.items():
+            m.setenv(k, v)
+        native_library.cache_clear()
+        try:
+            return native_library()
+        finally:
+            native_library.cache_clear()
+
+
+def test_without_the_native_kernel_cpu_linear_still_matches(monkeypatch, tmp_path, caplog):
+    """Disabled, or no working compiler: a warning, no library, and oneDNN / F.linear take those rows."""
+    assert _fresh_library(monkeypatch, tmp_path, TWINSERVE_NATIVE_GEMM="0") is None
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_gemm"):
+        assert _fresh_library(monkeypatch, tmp_path / "a", CC="/nonexistent/cc") is None
+        assert _fresh_library(monkeypatch, tmp_path / "b", CC="false") is None  # a compiler that fails
+    assert sum("native CPU GEMM not built" in r.getMessage() for r in caplog.records) == 2
+    assert not list((tmp_path / "b").glob("*.so"))  # a failed build leaves nothing behind
+    monkeypatch.setattr(cpu_gemm, "native_library", lambda: None)
+    x, w, bias = _data(8, 300, 64, transposed=True)
+    linear = CpuLinear()
+    torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    assert linear.native is None
+
+
+def test_build_is_cached_per_source_and_cpu(lib, monkeypatch, tmp_path):
+    calls = []
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path))
+    path = cpu_gemm._build("cc")
+    assert path.parent == tmp_path and path.exists() and len(calls) == 1
+    assert cpu_gemm._build("cc") == path and len(calls) == 1  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
+
+
+def test_avx2_build_matches_float64(lib, monkeypatch, tmp_path):
+    """The 256-bit variant (what -march=native builds on a CPU without AVX-512: 16-column panels, 6-row tiles),
+    built explicitly so an AVX-512 machine tests it too."""
+    if not {"avx2", "fma"} <= set(cpu_gemm._cpu_id().split()):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    monkeypatch.setattr(cpu_gemm, "CFLAGS", ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"))
+    avx2 = _fresh_library(monkeypatch, tmp_path)
+    assert avx2.tw_vector_bytes() == 32 and avx2.tw_panel_width() == 16
+    for M, N, K in [(1, 5, 3), (6, 16, 64), (7, 17, 100), (13, 300, 512), (64, 40, 33)]:
+        x, w, bias = _data(M, N, K, seed=K, transposed=True)
+        torch.testing.assert_close(native_linear(x, pack_weight(w, avx2), N, bias, avx2), _reference(x, w, bias),
+                                   atol=2e-6 * K + 1e-6, rtol=1e-5)
