@@ -178,15 +178,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised)."""
-        return self.logits_matmul(hidden,
-                                  self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return self.logits_matmul(hidden, self.logits_weight)
+
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the LM head's weight, or the tied embedding table."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_cpu_weights(self) -> None:
         """Pack every fp32 CPU GEMM's weight copies now (warm-up) rather than in a timed step."""
         for module in self.model.layers.modules():
             if isinstance(module, Linear) and module.weight is not None:
                 module.matmul.prepack(module.weight)
-        self.logits_matmul.prepack(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        self.logits_matmul.prepack(self.logits_weight)
 
     def quantize(self, group_size: int = 128, zero_point: bool = True) -> None:
         """W4A16: replace every projection in the decoder layers by a group-wise 4-bit weight."""
