@@ -77,7 +77,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
 def rope_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate q [T, H, D] and k [T, Hkv, D] by their token positions; returns new (q_out, k_out)."""
     _check(q, k, positions, cos_sin)
-    cos, sin = _step_cos_sin(positions, cos_sin)
+    cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [T, 1, D]
     half = q.shape[2] // 2
 
     def rotate(x: torch.Tensor) -> torch.Tensor:  # x * [cos, cos] + [x2, x1] * [-sin, sin]: HF's rounding, 4 ops
@@ -85,18 +86,6 @@ def rope_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
         return (xf * cos).add_(xf.roll(half, -1) * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
-
-
-_last_cos_sin: list = [None, None, None]  # positions, cos_sin, (cos, sin): every layer of a step rotates alike
-
-
-def _step_cos_sin(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[cos, cos] and [-sin, sin], each [T, 1, D] in fp32, of ``positions``; the last result is reused while the
-    same two tensor objects come back (the layers of one step; the engine never writes into a step's positions)."""
-    if _last_cos_sin[0] is not positions or _last_cos_sin[1] is not cos_sin:
-        cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
-        _last_cos_sin[:] = positions, cos_sin, (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
-    return _last_cos_sin[2]
 
 
 if triton is not None:

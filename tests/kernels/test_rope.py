@@ -60,6 +60,18 @@ def test_table_by_hand_and_rotation_invariants():
     torch.testing.assert_close(rot(q, 0), q)
 
 
+def test_positions_rewritten_in_place_are_read_again():
+    """Nothing is cached between calls: a positions buffer reused with new values (as a static decode input is)
+    rotates by the new positions."""
+    table = rope_cos_sin(8, 50, 10000.0)
+    q, k = _qk(2, 2, 1, 8, torch.float32)
+    pos = torch.tensor([3, 4])
+    rope_torch(q, k, pos, table)
+    pos.copy_(torch.tensor([9, 10]))
+    for got, want in zip(rope_torch(q, k, pos, table), rope_torch(q, k, torch.tensor([9, 10]), table), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_linear_scaling_is_position_division():
     base = rope_cos_sin(64, 64, 10000.0, None, torch.float32, "cpu")
     scaled = rope_cos_sin(64, 64, 10000.0, {"type": "linear", "factor": 4.0}, torch.float32, "cpu")
