@@ -12,7 +12,9 @@
  * Decode-sized GEMMs (a few rows) read every weight byte once per step from DRAM; what limits them is how many
  * bytes are in flight, not FLOPs. The hardware prefetcher ramps up on a single stream too slowly for that, so the
  * k loop prefetches PREFETCH_BYTES ahead in the panel (one row block) or, when several row blocks share a panel
- * (their later passes hit cache), spreads the prefetch of the next panel over those passes.
+ * (their later passes hit cache), spreads the prefetch of the next panel over those passes. Prefetches go to L2
+ * (prefetcht1), which tracks more misses in flight than L1: 32 KiB ahead into L2 took 8-15% off engine decode steps
+ * at batch 4-8 against 8 KiB into L1 (3% at batch 32).
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,7 +28,8 @@
 #endif
 #define VL (VB / 4)
 #define NR (2 * VL)
-#define PREFETCH_BYTES 8192
+#define PREFETCH_BYTES 32768
+#define PREFETCH_LOCALITY 2 /* __builtin_prefetch: 2 = prefetcht1, into L2 */
 
 typedef float vec __attribute__((vector_size(VB), aligned(4))); /* aligned(4): loads need no 64-byte alignment */
 
@@ -49,8 +52,9 @@ static inline __attribute__((always_inline)) void tile(const int MR, const float
     for (int i = 0; i < MR; i++) c0[i] = c1[i] = (vec){0};
     for (int64_t k = 0; k < K; k++) {
         vec b0 = *(const vec*)(B + k * NR), b1 = *(const vec*)(B + k * NR + VL);
-        __builtin_prefetch(pf + k * pf_stride, 0, 3);
-        if (pf_stride == NR && VB == 64) __builtin_prefetch(pf + k * pf_stride + 16, 0, 3); /* 2 lines a row */
+        __builtin_prefetch(pf + k * pf_stride, 0, PREFETCH_LOCALITY);
+        if (pf_stride == NR && VB == 64) /* a 512-bit panel row is 2 cache lines */
+            __builtin_prefetch(pf + k * pf_stride + 16, 0, PREFETCH_LOCALITY);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) {
             float a = A[i * lda + k];
