@@ -5,8 +5,8 @@ weights stream from DRAM. Measured on this project's machines (docs/cpu_notes.md
 decode step of the 44M Llama:
 - 1 row: MKL's GEMV on the transposed [in, out] layout streams at the probe's bandwidth; it stays.
 - 2..NATIVE_MAX_ROWS rows: cpu_gemm.c, over a panel-packed copy of the weight with software prefetch (oneDNN's
-  packed GEMM leaves the weight stream short of bandwidth at these sizes): decode steps take 13% less time at
-  batch 8 and 16% less at batch 32 than on oneDNN.
+  packed GEMM leaves the weight stream short of bandwidth at these sizes): decode steps take 12-16% less time
+  at batch 8 and 32 than on oneDNN.
 - more rows (prefill): oneDNN's packed GEMM, compute-bound, ~1.1x the native kernel there.
 The native kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``) for this machine
 (-march=native) and cached under ``$TWINSERVE_CACHE`` (default ``~/.cache/twinserve``). Without a compiler, on a
