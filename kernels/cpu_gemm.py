@@ -127,11 +127,16 @@ def pack_weight(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
 def native_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                   lib: ctypes.CDLL) -> torch.Tensor:
     """x [M, K] fp32 @ W^T (+ bias) with W as pack_weight packed it -> [M, out_features]."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"native_linear takes 2-D float32 CPU rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     if packed.shape[1] != k:
         raise ValueError(f"x has {k} features, the packed weight {packed.shape[1]}")
+    if packed.shape[0] != -(-out_features // packed.shape[2]):  # the kernel would read past the packed panels
+        raise ValueError(f"out_features={out_features} does not fit the packed weight's {packed.shape[0]} panels "
+                         f"of {packed.shape[2]} columns")
     out = torch.empty(m, out_features, dtype=torch.float32)
     b = None if bias is None else bias.detach().float().contiguous()
     lib.tw_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), out_features, out.data_ptr(), out_features,

@@ -91,10 +91,14 @@ def test_threads_and_strided_rows_give_the_same_bits(lib):
         torch.set_num_threads(threads)
 
 
-def test_native_linear_rejects_a_mismatched_weight(lib):
+def test_native_linear_rejects_mismatched_inputs(lib):
     x, w, _ = _data(4, 10, 16)
     with pytest.raises(ValueError, match="16 features, the packed weight 8"):
         native_linear(x, pack_weight(w[:, :8], lib), 10, None, lib)
+    with pytest.raises(ValueError, match="does not fit the packed weight"):
+        native_linear(x, pack_weight(w, lib), 10 + lib.tw_panel_width(), None, lib)
+    with pytest.raises(ValueError, match="2-D float32 CPU rows"):
+        native_linear(x.double(), pack_weight(w, lib), 10, None, lib)
 
 
 def test_cpu_linear_dispatch_and_repacking(lib):
