@@ -167,27 +167,33 @@ class CpuLinear:
         self._check(weight)
         lib = native_library()
         if lib is not None and rows <= NATIVE_MAX_ROWS[lib.tw_vector_bytes()]:
-            if self.native is None:
-                self.native = pack_weight(weight, lib)
-            return native_linear(x, self.native, weight.shape[0], bias, lib)
+            return native_linear(x, self._native(weight, lib), weight.shape[0], bias, lib)
         if not ONEDNN:
             return F.linear(x, weight, bias)
-        if self.onednn is None:
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._onednn(weight), bias, "none", [], "")
 
     def prepack(self, weight: torch.Tensor) -> None:
         """Make every packed copy a run can use now (engine warm-up), not in the first timed step that needs it."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return
         self._check(weight)
-        lib = native_library()
-        if lib is not None and self.native is None:
+        if (lib := native_library()) is not None:
+            self._native(weight, lib)
+        if ONEDNN:
+            self._onednn(weight)
+
+    def _native(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+        if self.native is None:
             self.native = pack_weight(weight, lib)
-        if ONEDNN and self.onednn is None:
+        return self.native
+
+    def _onednn(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.onednn is None:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        return self.onednn
 
     def _check(self, weight: torch.Tensor) -> None:
+        """Drop the packed copies of an earlier weight (another tensor, or this one changed in place)."""
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
             self.key, self.onednn, self.native = key, None, None
