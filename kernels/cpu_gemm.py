@@ -7,7 +7,7 @@ decode step of the 44M Llama:
 - 2..NATIVE_MAX_ROWS rows: cpu_gemm.c, over a panel-packed copy of the weight with software prefetch (oneDNN's
   packed GEMM leaves the weight stream short of bandwidth at these sizes): decode steps take 12-16% less time
   at batch 8 and 32 than on oneDNN.
-- more rows (prefill): oneDNN's packed GEMM, compute-bound, ~1.1x the native kernel there.
+- more rows (long prefills): oneDNN's packed GEMM, compute-bound, 1.1-1.3x the native kernel at 192-512 rows.
 The native kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``) for this machine
 (-march=native) and cached under ``$TWINSERVE_CACHE`` (default ``~/.cache/twinserve``). Without a compiler, on a
 non-x86 machine, or with ``TWINSERVE_NATIVE_GEMM=0``, oneDNN takes those rows instead (a failed build logs a
@@ -34,10 +34,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 PACKED_MIN_ROWS = 2  # 1 row: MKL's GEMV on the transposed layout (engine.model._linear_weight) is the fastest
-# Above these row counts oneDNN's compute-bound kernels win. 512-bit build: ~1.06-1.2x oneDNN at 64 rows, 0.9x at
-# 96-512. 256-bit build: measured only on an AVX-512 CPU (against oneDNN's AVX-512 kernels), 0.93x at 32 rows and
-# 0.7x at 64; oneDNN on an AVX2-only CPU is slower than that, so 32 is a conservative cut there.
-NATIVE_MAX_ROWS = {64: 64, 32: 32}  # vector bytes of the build -> most rows it takes
+# Above these row counts oneDNN's compute-bound kernels win. 512-bit build, whole engine prefill steps (weights
+# come from L3 between layers, where the native kernel's prefetch pays; a hot-cache GEMM loop flatters oneDNN):
+# 44M model 1.05x oneDNN at 65 rows, 1.0x at 96-128, 0.88x at 192, 0.87x at 512; the 5M tiny model 1.15x at 65,
+# 1.07x at 128, 1.0x at 256. Cutting where both are alike also keeps step time continuous in the row count, which
+# a fitted cost model needs (the old cut at 64 put a 20% jump between 64 and 65 tokens on the tiny model).
+# 256-bit build: measured only on an AVX-512 CPU (against oneDNN's AVX-512 kernels), 0.93x at 32 rows and 0.7x at
+# 64; oneDNN on an AVX2-only CPU is slower than that, so 32 is a conservative cut there.
+NATIVE_MAX_ROWS = {64: 128, 32: 32}  # vector bytes of the build -> most rows it takes
 ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 
