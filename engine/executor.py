@@ -126,9 +126,10 @@ class EngineExecutor(BaseExecutor):
 
 
 def resolve_kernels(name: str, device: str | torch.device) -> str:
-    """``auto``: the Triton kernels on a GPU, the torch references on CPU; other names pass through."""
+    """``auto``: the Triton kernels on a GPU, the native CPU ops (torch references elsewhere) on CPU; other names
+    pass through."""
     if name == "auto":
-        return "triton" if str(device).startswith("cuda") else "torch"
+        return "triton" if str(device).startswith("cuda") else "native"
     return name
 
 
@@ -144,7 +145,7 @@ class EngineOptions:
     are read as integers."""
 
     name: str = "engine"
-    kernels: str = "auto"  # auto (triton on cuda, torch on cpu) | torch | triton
+    kernels: str = "auto"  # auto (triton on cuda, native on cpu) | torch | native | triton
     device: str = "cpu"  # cpu | cuda[:i]
     dtype: str | None = None  # None: the model's dtype (bfloat16 for an fp32 model on cuda)
     quant: str | None = None  # None | w4a16
@@ -215,7 +216,7 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers:
     return executors
 
 
-def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernels: str = "torch",
+def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernels: str = "auto",
                           device: str = "cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                           group_size: int = 128, kv_dtype: str = "auto", seed: int = 0,
                           sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
@@ -225,7 +226,7 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
     between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
     ``spec.path`` or random-initialised from ``seed``."""
     num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
-    kernel_set = get_kernels(kernels)
+    kernel_set = get_kernels(resolve_kernels(kernels, device))
     if dtype is None and model is None and str(device).startswith("cuda") and spec.dtype == "float32":
         dtype = torch.bfloat16  # fp32 on a GPU runs ieee dots without tensor cores: bf16 unless asked for
     if model is None:

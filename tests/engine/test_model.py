@@ -15,12 +15,13 @@ from kernels.w4a16 import dequantize_w4
 from tests.engine.checkpoints import LAYOUTS, TINY, hf_logits, prefill_logits, tiny_checkpoint
 
 
+@pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_prompt_logits_match_transformers(tmp_path, layout):
+def test_prompt_logits_match_transformers(tmp_path, layout, kernels):
     hf, path = tiny_checkpoint(tmp_path, layout)
     model = load_model(path)
     ids = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(1))
-    ours, ref = prefill_logits(model, ids), hf_logits(hf, ids)
+    ours, ref = prefill_logits(model, ids, kernels), hf_logits(hf, ids)
     assert ours.shape == ref.shape == (40, TINY["vocab_size"])
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 

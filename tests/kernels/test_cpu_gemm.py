@@ -1,6 +1,6 @@
 """CPU fp32 GEMMs: the native kernel against a float64 matmul over varied shapes (panel tails, row-block tails,
 odd K, bias, strided rows), its batch and thread invariance, CpuLinear's dispatch and repacking, and the fallbacks
-when the kernel cannot be built."""
+when the kernel is turned off or cannot be built."""
 
 import logging
 import subprocess
@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels import cpu_gemm
-from kernels.cpu_gemm import NATIVE_MAX_ROWS, PACKED_MIN_ROWS, CpuLinear, native_library, native_linear, pack_weight
+from kernels import cpu_gemm, cpu_native
+from kernels.cpu_gemm import NATIVE_MAX_ROWS, PACKED_MIN_ROWS, CpuLinear, gemm_library, native_linear, pack_weight
+from kernels.cpu_native import native_library
 
 
 @pytest.fixture(scope="module")
 def lib():
-    lib = native_library()
+    lib = gemm_library()
     if lib is None:
         pytest.skip("native CPU GEMM unavailable here (not x86 with AVX2/AVX-512 FMA, or no C compiler)")
     return lib
@@ -130,27 +131,33 @@ def test_cpu_linear_leaves_other_dtypes_to_f_linear():
                            F.linear(x.to(dtype), w.to(dtype), bias.to(dtype)))
 
 
-def _fresh_library(monkeypatch, tmp_path, **env):
+def fresh_library(monkeypatch, tmp_path, **env):
+    """native_library() and gemm_library() built anew with ``env`` and an empty kernel cache; the caches are cleared
+    again after, so later tests load the usual build."""
     with monkeypatch.context() as m:
         m.setenv("TWINSERVE_CACHE", str(tmp_path))
         for k, v in env.items():
             m.setenv(k, v)
         native_library.cache_clear()
+        gemm_library.cache_clear()
         try:
-            return native_library()
+            return native_library(), gemm_library()
         finally:
             native_library.cache_clear()
+            gemm_library.cache_clear()
 
 
 def test_without_the_native_kernel_cpu_linear_still_matches(monkeypatch, tmp_path, caplog):
-    """Disabled, or no working compiler: a warning, no library, and oneDNN / F.linear take those rows."""
-    assert _fresh_library(monkeypatch, tmp_path, TWINSERVE_NATIVE_GEMM="0") is None
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_gemm"):
-        assert _fresh_library(monkeypatch, tmp_path / "a", CC="/nonexistent/cc") is None
-        assert _fresh_library(monkeypatch, tmp_path / "b", CC="false") is None  # a compiler that fails
-    assert sum("native CPU GEMM not built" in r.getMessage() for r in caplog.records) == 2
+    """Turned off, or no working compiler: no GEMM library (a warning says why a build failed), and oneDNN /
+    F.linear take those rows."""
+    built, gemm = fresh_library(monkeypatch, tmp_path, TWINSERVE_NATIVE_GEMM="0")
+    assert built is not None and gemm is None  # off for GEMMs only
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        assert fresh_library(monkeypatch, tmp_path / "a", CC="/nonexistent/cc") == (None, None)
+        assert fresh_library(monkeypatch, tmp_path / "b", CC="false") == (None, None)  # a compiler that fails
+    assert sum("native CPU kernels not built" in r.getMessage() for r in caplog.records) == 2
     assert not list((tmp_path / "b").glob("*.so"))  # a failed build leaves nothing behind
-    monkeypatch.setattr(cpu_gemm, "native_library", lambda: None)
+    monkeypatch.setattr(cpu_gemm, "gemm_library", lambda: None)
     x, w, bias = _data(8, 300, 64, transposed=True)
     linear = CpuLinear()
     torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
@@ -162,19 +169,19 @@ def test_build_is_cached_per_source_and_cpu(lib, monkeypatch, tmp_path):
     real_run = subprocess.run
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
     monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path))
-    path = cpu_gemm._build("cc")
+    path = cpu_native._build("cc")
     assert path.parent == tmp_path and path.exists() and len(calls) == 1
-    assert cpu_gemm._build("cc") == path and len(calls) == 1  # reused, not rebuilt
+    assert cpu_native._build("cc") == path and len(calls) == 1  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
 
 
 def test_avx2_build_matches_float64(lib, monkeypatch, tmp_path):
     """The 256-bit variant (what -march=native builds on a CPU without AVX-512: 16-column panels, 6-row tiles),
     built explicitly so an AVX-512 machine tests it too."""
-    if not {"avx2", "fma"} <= set(cpu_gemm._cpu_id().split()):
+    if not {"avx2", "fma"} <= set(cpu_native._cpu_id().split()):
         pytest.skip("this CPU has no AVX2 + FMA")
-    monkeypatch.setattr(cpu_gemm, "CFLAGS", ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"))
-    avx2 = _fresh_library(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpu_native, "CFLAGS", ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"))
+    avx2, _ = fresh_library(monkeypatch, tmp_path)
     assert avx2.tw_vector_bytes() == 32 and avx2.tw_panel_width() == 16
     for M, N, K in [(1, 5, 3), (6, 16, 64), (7, 17, 100), (13, 300, 512), (64, 40, 33)]:
         x, w, bias = _data(M, N, K, seed=K, transposed=True)

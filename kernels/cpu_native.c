@@ -1,8 +1,9 @@
-/* fp32 GEMM for small row counts on x86 CPUs: C[M, N] = A[M, K] @ W[N, K]^T (+ bias[N]).
+/* Native CPU kernels, built by kernels/cpu_native.py with -O3 -march=native -fopenmp: an fp32 GEMM for small row
+ * counts (tw_gemm) and two of a layer's token-wise ops (tw_rms_norm, tw_rope). GCC vector extensions give one
+ * source for both ISAs: with AVX-512 a `vec` is one zmm register (16 floats), with AVX2 one ymm (8 floats). Every
+ * output row is computed on its own in a fixed order, so a row's bits never depend on the batch it came in.
  *
- * Built by kernels/cpu_gemm.py with -O3 -march=native -fopenmp. GCC vector extensions give one source for both
- * ISAs: with AVX-512 a `vec` is one zmm register (16 floats), with AVX2 one ymm (8 floats).
- *
+ * GEMM: C[M, N] = A[M, K] @ W[N, K]^T (+ bias[N]).
  * W is packed once into panels of NR = 2 vectors of output columns: panel p holds columns [p*NR, p*NR + NR) as
  * [K][NR], zero-padded past N, so a panel streams as one contiguous run. A register tile is MR <= MAXR rows x NR
  * columns: 2 * MR accumulators (16 of 32 zmm registers with AVX-512, 12 of 16 ymm with AVX2), each k step loads two
@@ -16,6 +17,7 @@
  * (prefetcht1), which tracks more misses in flight than L1: 32 KiB ahead into L2 took 8-15% off engine decode steps
  * at batch 4-8 against 8 KiB into L1 (3% at batch 32).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -112,3 +114,72 @@ void tw_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* Bp,
     }
 }
 
+
+/* Horizontal sum of a vector's lanes, in lane order. */
+static inline float hsum(vec v) {
+    float t[VL], s = 0.0f;
+    memcpy(t, &v, VB);
+    for (int j = 0; j < VL; j++) s += t[j];
+    return s;
+}
+
+/* RMSNorm with the pre-norm residual add of Llama blocks, numerics as HF LlamaRMSNorm in fp32: h = x (+ r), rounded;
+ * out = (h * (1 / sqrt(mean(h^2) + eps))) * w, two rounded products. Only the sum of squares differs from torch's:
+ * VL lane-wise partial sums, then the lanes in order. With r, new_r gets h. Row strides in elements. */
+void tw_rms_norm(const float* x, int64_t ldx, const float* r, int64_t ldr, const float* w, float* out,
+                 float* new_r, int64_t rows, int64_t d, float eps, int num_threads) {
+    const int64_t dv = d - d % VL;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows >= 64)
+    for (int64_t i = 0; i < rows; i++) {
+        const float* h = x + i * ldx;
+        if (r) { /* h = x + r, kept as the new residual stream and normalised from there */
+            float* n = new_r + i * d;
+            for (int64_t j = 0; j < d; j++) n[j] = h[j] + r[i * ldr + j];
+            h = n;
+        }
+        vec acc = (vec){0};
+        for (int64_t j = 0; j < dv; j += VL) {
+            vec v;
+            memcpy(&v, h + j, VB);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (int64_t j = dv; j < d; j++) ss += h[j] * h[j];
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        float* o = out + i * d;
+        for (int64_t j = 0; j < d; j++) {
+            const float t = h[j] * inv;
+            o[j] = t * w[j];
+        }
+    }
+}
+
+/* Rotary embedding, rotate-half convention, of T tokens x heads rows of head_dim D (token stride ldt, head stride
+ * ldh, in elements) into out [T, heads, D]: with c, s row pos[t] of cos_sin [max_pos, D] (cos then sin, D/2 each),
+ * out = x1 c - x2 s | x2 c + x1 s, each product rounded as torch rounds it (no contraction into FMAs), so the
+ * result is rope_torch's bit for bit. Returns -1, or the first token whose position is outside the table (then
+ * nothing is written). */
+__attribute__((optimize("fp-contract=off"))) int64_t tw_rope(const float* x, int64_t ldt, int64_t ldh, int64_t T,
+                                                              int64_t heads, int64_t D, const int64_t* pos,
+                                                              const float* cos_sin, int64_t max_pos, float* out,
+                                                              int num_threads) {
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return t;
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float* c = cos_sin + pos[t] * D;
+        const float* s = c + half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float* x1 = x + t * ldt + h * ldh;
+            const float* x2 = x1 + half;
+            float* o = out + (t * heads + h) * D;
+            for (int64_t j = 0; j < half; j++) {
+                const float a = x1[j] * c[j], b = x2[j] * s[j], e = x2[j] * c[j], f = x1[j] * s[j];
+                o[j] = a - b;
+                o[j + half] = e + f;
+            }
+        }
+    }
+    return -1;
+}
