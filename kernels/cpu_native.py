@@ -26,10 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.norm import _check as _check_norm
-from kernels.norm import rms_norm_torch
-from kernels.rope import _check as _check_rope
-from kernels.rope import rope_torch
+from kernels.norm import check_rms_norm_inputs, rms_norm_torch
+from kernels.rope import check_rope_inputs, rope_torch
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +118,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     lib = native_library()
     if lib is None or not _fp32_cpu(x, weight, residual):
         return rms_norm_torch(x, weight, eps, residual)
-    _check_norm(x, weight, residual)
+    check_rms_norm_inputs(x, weight, residual)
     x, weight = _rows(x), weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     new_r = None if residual is None else torch.empty_like(out)
@@ -136,7 +134,7 @@ def rope_native(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
     lib = native_library()
     if lib is None or not _fp32_cpu(q, k, cos_sin) or positions.device.type != "cpu":
         return rope_torch(q, k, positions, cos_sin)
-    _check_rope(q, k, positions, cos_sin)
+    check_rope_inputs(q, k, positions, cos_sin)
     pos = positions.to(torch.int64).contiguous()
     table = cos_sin.contiguous()
     outs = []

@@ -16,7 +16,7 @@ except ImportError:  # the torch reference works without triton
     triton = None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"rms_norm: x must be [T, d] and weight [d], got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
@@ -26,7 +26,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """out = norm(x [+ residual]) * weight; returns out, or (out, x + residual) when residual is given."""
-    _check(x, weight, residual)
+    check_rms_norm_inputs(x, weight, residual)
     h = x if residual is None else x + residual
     if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op (the CPU engine's path)
         out = torch.rms_norm(h, (h.shape[-1],), weight, eps)
@@ -58,7 +58,7 @@ if triton is not None:
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Triton version of :func:`rms_norm_torch` (one program per row)."""
-    _check(x, weight, residual)
+    check_rms_norm_inputs(x, weight, residual)
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)

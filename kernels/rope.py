@@ -64,7 +64,7 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: dict 
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(f"rope: q must be [T, H, D] and k [T, Hkv, D] with D even, "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -76,7 +76,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
 
 def rope_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate q [T, H, D] and k [T, Hkv, D] by their token positions; returns new (q_out, k_out)."""
-    _check(q, k, positions, cos_sin)
+    check_rope_inputs(q, k, positions, cos_sin)
     cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [T, 1, D]
     half = q.shape[2] // 2
@@ -121,7 +121,7 @@ if triton is not None:
 
 def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Triton version of :func:`rope_torch`: one program per (token, q-or-k). Positions are not bounds-checked."""
-    _check(q, k, positions, cos_sin)
+    check_rope_inputs(q, k, positions, cos_sin)
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
     cos_sin = cos_sin if cos_sin.stride(1) == 1 else cos_sin.contiguous()
