@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import native_library
+from kernels.cpu_native import fp32_cpu, native_library, unit_stride_rows
 
 PACKED_MIN_ROWS = 2  # 1 row: MKL's GEMV on the transposed layout (engine.model._linear_weight) is the fastest
 # Above these row counts oneDNN's compute-bound kernels win. 512-bit build, whole engine prefill steps (weights
@@ -60,10 +60,9 @@ def pack_weight(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
 def native_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                   lib: ctypes.CDLL) -> torch.Tensor:
     """x [M, K] fp32 @ W^T (+ bias) with W as pack_weight packed it -> [M, out_features]."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+    if not fp32_cpu(x) or x.dim() != 2:
         raise ValueError(f"native_linear takes 2-D float32 CPU rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_stride_rows(x)
     m, k = x.shape
     if packed.shape[1] != k:
         raise ValueError(f"x has {k} features, the packed weight {packed.shape[1]}")
@@ -94,8 +93,7 @@ class CpuLinear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
-                or rows < PACKED_MIN_ROWS):
+        if not fp32_cpu(x, weight) or x.dim() != 2 or rows < PACKED_MIN_ROWS:
             return F.linear(x, weight, bias)
         self._check(weight)
         lib = gemm_library()
@@ -107,7 +105,7 @@ class CpuLinear:
 
     def prepack(self, weight: torch.Tensor) -> None:
         """Make every packed copy a run can use now (engine warm-up), not in the first timed step that needs it."""
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if not fp32_cpu(weight):
             return
         self._check(weight)
         if (lib := gemm_library()) is not None:

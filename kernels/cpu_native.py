@@ -104,11 +104,12 @@ def native_library() -> ctypes.CDLL | None:
     return lib
 
 
-def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+def fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Every tensor given (None skipped) is float32 on the CPU: what the C kernels take."""
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit stride along its last dim (any row stride): what the C loops index."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -116,13 +117,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """kernels.norm.rms_norm_torch in C for fp32 CPU tensors (that function for anything else)."""
     lib = native_library()
-    if lib is None or not _fp32_cpu(x, weight, residual):
+    if lib is None or not fp32_cpu(x, weight, residual):
         return rms_norm_torch(x, weight, eps, residual)
     check_rms_norm_inputs(x, weight, residual)
-    x, weight = _rows(x), weight.contiguous()
+    x, weight = unit_stride_rows(x), weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     new_r = None if residual is None else torch.empty_like(out)
-    r = None if residual is None else _rows(residual)
+    r = None if residual is None else unit_stride_rows(residual)
     lib.tw_rms_norm(x.data_ptr(), x.stride(0), None if r is None else r.data_ptr(), 0 if r is None else r.stride(0),
                     weight.data_ptr(), out.data_ptr(), None if new_r is None else new_r.data_ptr(), x.shape[0],
                     x.shape[1], eps, torch.get_num_threads())
@@ -132,14 +133,14 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 def rope_native(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """kernels.rope.rope_torch in C for fp32 CPU tensors (that function for anything else), bit for bit."""
     lib = native_library()
-    if lib is None or not _fp32_cpu(q, k, cos_sin) or positions.device.type != "cpu":
+    if lib is None or not fp32_cpu(q, k, cos_sin) or positions.device.type != "cpu":
         return rope_torch(q, k, positions, cos_sin)
     check_rope_inputs(q, k, positions, cos_sin)
     pos = positions.to(torch.int64).contiguous()
     table = cos_sin.contiguous()
     outs = []
     for x in (q, k):
-        x = _rows(x)
+        x = unit_stride_rows(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         bad = lib.tw_rope(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], pos.data_ptr(),
                           table.data_ptr(), table.shape[0], out.data_ptr(), torch.get_num_threads())
