@@ -21,6 +21,7 @@ from engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler
 from kernels.attention import DecodeCache, paged_attention_torch, plan_attention
+from kernels.cpu_native import paged_attention_native
 from kernels.ops import KernelSet, get_kernels
 
 PROMPT_CACHE_PRUNE_MIN = 1024  # prompt-cache size at which finished requests are swept out
@@ -57,11 +58,14 @@ class ModelRunner:
         self.sampler = sampler or Sampler(seed=seed, device=self.device)
         self.seed = seed
         self.max_positions = model.cos_sin.shape[0]
-        # torch attention: one plan per step for all layers; on CPU, decodes also keep their K/V between steps
-        self._plan_attention = self.kernels.attention is paged_attention_torch
+        # torch attention: one plan per step for all layers; on CPU, decodes also keep their K/V between steps.
+        # The native backend's decodes read the paged cache in C: it plans only steps with a prefill chunk.
+        native = self.kernels.attention is paged_attention_native
+        self._plan_attention = self.kernels.attention is paged_attention_torch or native
+        self._plan_decodes = not native
         k = kv_caches[0].k
         self._decode_cache = DecodeCache(2 * k.shape[2] * k.shape[3] * 4) \
-            if self._plan_attention and self.device.type == "cpu" else None
+            if self._plan_attention and not native and self.device.type == "cpu" else None
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode-only steps (capture_graphs)
@@ -172,9 +176,11 @@ class ModelRunner:
         seq_lens = (starts_a + lens_a).astype(np.int32)
         if self._decode_cache is not None:
             self._decode_cache.claim(tuple(ch.state.id for ch in batch.chunks if ch.num_positions == 1))
-        plan = plan_attention(tables, seq_lens, qsl, bs, self._decode_cache, dev) if self._plan_attention else None
-        meta = AttentionMetadata(to_dev(slots), to_dev(qsl), to_dev(seq_lens), to_dev(tables), max(lens), max_seq_len,
-                                 plan)
+        max_query_len = max(lens)
+        plan = plan_attention(tables, seq_lens, qsl, bs, self._decode_cache, dev) \
+            if self._plan_attention and (self._plan_decodes or max_query_len > 1) else None
+        meta = AttentionMetadata(to_dev(slots), to_dev(qsl), to_dev(seq_lens), to_dev(tables), max_query_len,
+                                 max_seq_len, plan)
         sample_states = [ch.state for ch in batch.chunks if ch.samples] if own_sampling or sample_drafts else None
         return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a), sample_states, sample_drafts)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from core.request import RequestState, SamplingParams
+from kernels.cpu_native import argmax_rows
 
 __all__ = ["Sampler", "SamplingParams"]
 
@@ -52,7 +53,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
-            out[rows] = logits[rows].max(dim=-1).indices
+            out[rows] = argmax_rows(logits[rows])
         groups: dict[SamplingParams, list[int]] = {}  # rows on the engine's generator, by params, in row order
         for i, p in enumerate(params):
             if p.greedy:
@@ -94,7 +95,7 @@ class Sampler:
         p = state.request.sampling or self.params
         d = len(drafts)
         if p.greedy:
-            target = logits.max(dim=-1).indices.tolist()
+            target = argmax_rows(logits).tolist()
             a = 0
             while a < d and drafts[a] == target[a]:
                 a += 1
@@ -115,7 +116,7 @@ class Sampler:
     def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
         """Every row of ``logits`` with the same params, random draws from ``generator``."""
         if p.greedy:
-            return logits.max(dim=-1).indices  # faster than argmax on CPU; same first-maximum rule
+            return argmax_rows(logits)  # the first maximum, as torch's max(dim=-1).indices
         return torch.multinomial(Sampler.probabilities(logits, p), 1, generator=generator).squeeze(-1)
 
     @staticmethod

@@ -12,14 +12,14 @@ except ImportError:  # the torch reference works without triton
     triton = None
 
 
-def _check(x: torch.Tensor) -> None:
+def check_silu_and_mul_input(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"silu_and_mul: x must be [T, 2F], got {tuple(x.shape)}")
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """[T, 2F] -> [T, F] = silu(x[:, :F]) * x[:, F:], computed in fp32."""
-    _check(x)
+    check_silu_and_mul_input(x)
     if x.dtype == torch.float32:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
@@ -42,7 +42,7 @@ if triton is not None:
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`silu_and_mul_torch`."""
-    _check(x)
+    check_silu_and_mul_input(x)
     x = x if x.stride(1) == 1 else x.contiguous()
     T, f = x.shape[0], x.shape[1] // 2
     out = torch.empty((T, f), dtype=x.dtype, device=x.device)

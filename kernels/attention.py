@@ -24,7 +24,7 @@ except ImportError:  # torch reference stays usable without triton
     _attn_launch = _paged_attn_kernel = None
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale) -> bool:
+def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale) -> bool:
     """Validate shapes; return True when the caches are int8."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D]; got {tuple(q.shape)}")
@@ -240,7 +240,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     prefix attend to them directly instead of reading them back (not for int8 caches, which attention must see
     quantised). max_query_len / max_seq_len are accepted (and ignored) so both backends can be called the same way.
     """
-    quantised = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
+    quantised = check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
     if not quantised:
         k_scale = v_scale = None
     block_size = k_cache.shape[1]
@@ -512,7 +512,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if triton is None:
         raise RuntimeError("paged_attention_triton needs the 'triton' package")
-    quantised = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
+    quantised = check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     hinted = max_query_len is not None and max_seq_len is not None

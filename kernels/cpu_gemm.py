@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import fp32_cpu, native_library, unit_stride_rows
+from kernels.cpu_native import fp32_cpu, huge_page_empty, native_library, unit_stride_rows
 
 PACKED_MIN_ROWS = 2  # 1 row: MKL's GEMV on the transposed layout (engine.model._linear_weight) is the fastest
 # Above these row counts oneDNN's compute-bound kernels win. 512-bit build, whole engine prefill steps (weights
@@ -53,8 +53,8 @@ def pack_weight(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
     n, k = weight.shape
     nr = lib.tw_panel_width()
     panels = -(-n // nr)
-    w = F.pad(weight.detach().float(), (0, 0, 0, panels * nr - n))
-    return w.view(panels, nr, k).transpose(1, 2).contiguous()
+    w = F.pad(weight.detach().float(), (0, 0, 0, panels * nr - n)).view(panels, nr, k).transpose(1, 2)
+    return huge_page_empty(w.shape, w.dtype).copy_(w)
 
 
 def native_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,

@@ -18,6 +18,7 @@
  * at batch 4-8 against 8 KiB into L1 (3% at batch 32).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -34,6 +35,11 @@
 #define PREFETCH_LOCALITY 2 /* __builtin_prefetch: 2 = prefetcht1, into L2 */
 
 typedef float vec __attribute__((vector_size(VB), aligned(4))); /* aligned(4): loads need no 64-byte alignment */
+
+/* One vector load / store at any float address. Not memcpy: GCC expands that into 256-bit halves through the stack,
+ * and the full-width reload of two half-width stores stalls store forwarding (it made attention 2x slower). */
+static inline vec vload(const float* p) { return *(const vec*)p; }
+static inline void vstore(float* p, vec v) { *(vec*)p = v; }
 
 /* Bytes per vector when the build has fused multiply-add on 256- or 512-bit vectors; 0: not worth using. */
 int tw_vector_bytes(void) {
@@ -139,8 +145,7 @@ void tw_rms_norm(const float* x, int64_t ldx, const float* r, int64_t ldr, const
         }
         vec acc = (vec){0};
         for (int64_t j = 0; j < dv; j += VL) {
-            vec v;
-            memcpy(&v, h + j, VB);
+            const vec v = vload(h + j);
             acc += v * v;
         }
         float ss = hsum(acc);
@@ -180,6 +185,206 @@ __attribute__((optimize("fp-contract=off"))) int64_t tw_rope(const float* x, int
                 o[j + half] = e + f;
             }
         }
+    }
+    return -1;
+}
+
+typedef int32_t ivec __attribute__((vector_size(VB), aligned(4)));
+
+/* e^x lane-wise for x <= 0 (softmax's scores minus their max), Cephes' expf scheme: x = n ln2 + r with |r| <=
+ * ln2/2, a degree-7 polynomial for e^r, 2^n put into the exponent bits. Within 2 ulp of expf; below -87.3 (where
+ * e^x leaves the normal range) it returns e^-87.3 ~ 1e-38, which no softmax over at least one e^0 term can tell
+ * from 0. */
+static inline vec vexp_nonpos(vec x) {
+    const vec lo = (vec){0} - 87.3f, magic = (vec){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const ivec under = x < lo;
+    x = (vec)(((ivec)x & ~under) | ((ivec)lo & under));
+    const vec n = (x * 1.44269504088896341f + magic) - magic;
+    const vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)e;
+}
+
+/* Sum of a vector's lanes as a tree of halves (vector adds, then the last four lanes): attention's dot products,
+ * where the order of the sum is free (SDPA has its own). */
+static inline float hsum_tree(vec v) {
+    typedef float half __attribute__((vector_size(VB / 2), aligned(4)));
+    typedef float quarter __attribute__((vector_size(16), aligned(4)));
+    union { vec v; half h[2]; } a = {v};
+    union { half h; quarter q[VB / 32]; } b = {a.h[0] + a.h[1]};
+#if VB == 64
+    const quarter c = b.q[0] + b.q[1];
+#else
+    const quarter c = b.q[0];
+#endif
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+#define ATTN_AHEAD 4 /* tokens: the K or V row read that many tokens later is prefetched (blocks are scattered) */
+
+static inline void prefetch_row(const float* p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* Decode attention straight from the paged KV cache: for every sequence s with exactly one query token (row
+ * qsl[s]; sequences with more are skipped: they are prefill chunks), softmax(q k^T * scale) v over its lens[s]
+ * cached positions, whose slots come from block-table row s (width W). Query head i reads KV head i / (H / Hkv),
+ * as Llama's GQA. q [T, H, D] with token and head strides ldt, ldh; caches [num_blocks, bs, Hkv, D]; out [T, H, D]
+ * contiguous (only decode rows written). One sequence at a time, keys and values read once each in memory order
+ * (all heads of a token together); fp32 throughout, dot products and the weighted sum of v vectorised over D, exp
+ * is vexp_nonpos. The caller's scratch holds threads x H x (max_len + D + 1) floats.
+ * Returns -1, or the first decode sequence whose length or block ids are out of range (then nothing is written). */
+int64_t tw_decode_attention(const float* q, int64_t ldt, int64_t ldh, int64_t S, const int32_t* qsl,
+                            const int32_t* lens, const int32_t* tables, int64_t W, const float* kc, const float* vc,
+                            int64_t num_blocks, int64_t bs, int64_t Hkv, int64_t H, int64_t D, float scale,
+                            float* out, float* scratch, int64_t max_len, int num_threads) {
+    for (int64_t s = 0; s < S; s++) {
+        if (qsl[s + 1] - qsl[s] != 1) continue;
+        const int64_t L = lens[s];
+        if (L < 1 || L > max_len || L > W * bs) return s;
+        for (int64_t b = 0; b < (L + bs - 1) / bs; b++)
+            if (tables[s * W + b] < 0 || tables[s * W + b] >= num_blocks) return s;
+    }
+    const int64_t G = H / Hkv, dv = D - D % VL, token = Hkv * D;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && S >= 2)
+    for (int64_t s = 0; s < S; s++) {
+        if (qsl[s + 1] - qsl[s] != 1) continue;
+        const int64_t L = lens[s];
+        const float* qs = q + qsl[s] * ldt;
+        float* sc = scratch + (int64_t)omp_get_thread_num() * H * (max_len + D + 1); /* scores [H][L] */
+        float* acc = sc + H * max_len; /* [H][D] */
+        float* inv = acc + H * D;      /* [H]: 1 / each head's softmax denominator */
+        const int32_t* bt = tables + s * W;
+        for (int64_t j = 0; j < L; j++) { /* scores, keys in memory order */
+            const float* kj = kc + (bt[j / bs] * bs + j % bs) * token;
+            if (j + ATTN_AHEAD < L)
+                prefetch_row(kc + (bt[(j + ATTN_AHEAD) / bs] * bs + (j + ATTN_AHEAD) % bs) * token, token);
+            for (int64_t i = 0; i < H; i++) {
+                const float *qi = qs + i * ldh, *k = kj + (i / G) * D;
+                vec a = (vec){0};
+                for (int64_t d = 0; d < dv; d += VL) {
+                    a += vload(qi + d) * vload(k + d);
+                }
+                float x = hsum_tree(a);
+                for (int64_t d = dv; d < D; d++) x += qi[d] * k[d];
+                sc[i * max_len + j] = x * scale;
+            }
+        }
+        for (int64_t i = 0; i < H; i++) { /* softmax numerators in place */
+            float* si = sc + i * max_len;
+            float mx = si[0], sum = 0.0f;
+            for (int64_t j = 1; j < L; j++) mx = si[j] > mx ? si[j] : mx;
+            int64_t j = 0;
+            for (; j + VL <= L; j += VL) {
+                const vec x = vexp_nonpos(vload(si + j) - mx);
+                vstore(si + j, x);
+                sum += hsum_tree(x);
+            }
+            if (j < L) {
+                float t[VL];
+                for (int64_t l = 0; l < VL; l++) t[l] = j + l < L ? si[j + l] - mx : 0.0f;
+                vstore(t, vexp_nonpos(vload(t)));
+                for (int64_t l = 0; j + l < L; l++) sum += (si[j + l] = t[l]);
+            }
+            inv[i] = 1.0f / sum;
+        }
+        for (int64_t e = 0; e < H * D; e++) acc[e] = 0.0f;
+        for (int64_t j = 0; j < L; j++) { /* weighted sum of values, in memory order */
+            const float* vj = vc + (bt[j / bs] * bs + j % bs) * token;
+            if (j + ATTN_AHEAD < L)
+                prefetch_row(vc + (bt[(j + ATTN_AHEAD) / bs] * bs + (j + ATTN_AHEAD) % bs) * token, token);
+            for (int64_t i = 0; i < H; i++) {
+                const float p = sc[i * max_len + j], *v = vj + (i / G) * D;
+                float* a = acc + i * D;
+                for (int64_t d = 0; d < dv; d += VL) vstore(a + d, vload(a + d) + p * vload(v + d));
+                for (int64_t d = dv; d < D; d++) a[d] += p * v[d];
+            }
+        }
+        for (int64_t i = 0; i < H; i++) {
+            float* o = out + (qsl[s] * H + i) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv[i];
+        }
+    }
+    return -1;
+}
+
+/* Index of each row's first maximum, as torch's max(dim=-1).indices: x [rows, n] with row stride ld; a row with
+ * a NaN gets its first NaN's index (torch propagates NaN as the maximum). Greedy sampling over the vocabulary. */
+void tw_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t ld, int64_t* out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows >= 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* row = x + r * ld;
+        float best = row[0];
+        int64_t at = 0, j = 0;
+        if (n >= VL) { /* per lane: its largest value and where it first came (strict >: the earliest wins) */
+            vec vbest = vload(row), nan = (vec){0};
+            ivec lane, where;
+            for (int l = 0; l < VL; l++) lane[l] = l;
+            where = lane;
+            for (j = VL; j + VL <= n; j += VL) {
+                const vec v = vload(row + j);
+                const ivec more = v > vbest;
+                vbest = (vec)(((ivec)v & more) | ((ivec)vbest & ~more));
+                where = (((int32_t)j + lane) & more) | (where & ~more);
+                nan = (vec)((ivec)nan | (v != v));
+            }
+            best = vbest[0];
+            at = where[0];
+            for (int l = 1; l < VL; l++)
+                if (vbest[l] > best || (vbest[l] == best && where[l] < at)) best = vbest[l], at = where[l];
+            int any_nan = 0;
+            for (int l = 0; l < VL; l++) any_nan |= ((ivec)nan)[l] != 0 || vbest[l] != vbest[l];
+            if (any_nan) j = 0, best = row[0], at = 0; /* rare: the scalar scan below finds the first NaN */
+        }
+        for (int64_t i = j ? j : 1; i < n && best == best; i++)
+            if (row[i] > best || row[i] != row[i]) best = row[i], at = i;
+        out[r] = at;
+    }
+}
+
+/* SiLU-and-mul, Llama's SwiGLU gate: out[t, j] = silu(g) * u with g = x[t, j], u = x[t, F + j], for x [T, 2F] (row
+ * stride ldx) and out [T, F] contiguous. silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (vexp_nonpos; expf
+ * for the columns past the last whole vector): 1 / (1 + e) for g >= 0, e / (1 + e) below. Within a few ulp of
+ * torch's silu; a column's result depends only on F, never on T or the thread count. */
+void tw_silu_and_mul(const float* x, int64_t ldx, int64_t T, int64_t F, float* out, int num_threads) {
+    const int64_t fv = F - F % VL;
+    const ivec sign = (ivec){0} + (int32_t)0x80000000;
+    const vec one = (vec){0} + 1.0f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * ldx, *u = g + F;
+        float* o = out + t * F;
+        for (int64_t j = 0; j < fv; j += VL) {
+            const vec gv = vload(g + j);
+            const vec e = vexp_nonpos((vec)((ivec)gv | sign)); /* exp(-|g|) */
+            const ivec pos = gv >= 0.0f;
+            const vec num = (vec)(((ivec)one & pos) | ((ivec)e & ~pos));
+            vstore(o + j, gv * (num / (one + e)) * vload(u + j));
+        }
+        for (int64_t j = fv; j < F; j++) {
+            const float e = expf(-fabsf(g[j]));
+            o[j] = g[j] * ((g[j] >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[j];
+        }
+    }
+}
+
+/* Scatter this step's k, v [T, row] (row = Hkv * D contiguous floats; token strides ldk, ldv) into the caches,
+ * viewed as [num_slots, row], at slots[t]; a slot of -1 is skipped (padding). Returns -1, or the first token whose
+ * slot is outside [-1, num_slots) (then nothing is written). */
+int64_t tw_store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t T, int64_t row,
+                    const int64_t* slots, int64_t num_slots, float* kc, float* vc) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return t;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(kc + slots[t] * row, k + t * ldk, (size_t)row * sizeof(float));
+        memcpy(vc + slots[t] * row, v + t * ldv, (size_t)row * sizeof(float));
     }
     return -1;
 }

@@ -35,7 +35,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.unsqueeze(-1)
 
 
-def _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
+def check_store_kv_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
     """Validate shapes; return True when the caches are int8."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [T, Hkv, D]; got k={tuple(k.shape)} v={tuple(v.shape)}")
@@ -58,7 +58,7 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None) -> None:
     """Scatter k, v [T, Hkv, D] into the caches at slot_mapping (in place); -1 slots are skipped."""
-    quantised = _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    quantised = check_store_kv_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731  [num_slots, ...]; caches must be contiguous
     if not quantised and slot_mapping.device.type == "cpu" and len(slot_mapping) and slot_mapping.min() >= 0:
         slots = slot_mapping.long()  # no padding (the engine's steps): two copies, no masking
@@ -127,7 +127,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     """Triton version of store_kv_torch (same contract)."""
     if triton is None:
         raise RuntimeError("store_kv_triton needs the 'triton' package")
-    quantised = _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    quantised = check_store_kv_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("store_kv_triton needs unit stride on head_dim and identically strided k/v caches")
     num_tokens, num_heads, head_dim = k.shape

@@ -1,6 +1,6 @@
-"""Backend registry: one KernelSet of same-signature ops per backend: "torch" (the references), "native" (the
-references with RMSNorm and RoPE in C on fp32 CPU tensors, kernels.cpu_native: the CPU engine's default) or
-"triton" (GPU kernels)."""
+"""Backend registry: one KernelSet of same-signature ops per backend: "torch" (the references), "native" (RMSNorm,
+RoPE, SiLU-and-mul, the KV store and decode attention in C on fp32 CPU tensors, kernels.cpu_native, the rest the
+references: the CPU engine's default) or "triton" (GPU kernels)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,13 @@ def get_kernels(backend: str) -> KernelSet:
         from kernels.rope import rope_torch
         from kernels.w4a16 import w4a16_linear_torch
 
-        rms_norm, rope = rms_norm_torch, rope_torch
         if backend == "native":
-            from kernels.cpu_native import rms_norm_native as rms_norm
-            from kernels.cpu_native import rope_native as rope
-        return KernelSet(rms_norm, rope, silu_and_mul_torch, store_kv_torch, paged_attention_torch, w4a16_linear_torch)
+            from kernels import cpu_native as c
+
+            return KernelSet(c.rms_norm_native, c.rope_native, c.silu_and_mul_native, c.store_kv_native,
+                             c.paged_attention_native, w4a16_linear_torch)
+        return KernelSet(rms_norm_torch, rope_torch, silu_and_mul_torch, store_kv_torch, paged_attention_torch,
+                         w4a16_linear_torch)
     if backend == "triton":
         try:
             import triton  # noqa: F401

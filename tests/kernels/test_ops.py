@@ -19,8 +19,8 @@ from kernels.ops import KernelSet, get_kernels
 EXPECTED = {
     "torch": (norm.rms_norm_torch, rope.rope_torch, activation.silu_and_mul_torch, kv_store.store_kv_torch,
               attention.paged_attention_torch, w4a16.w4a16_linear_torch),
-    "native": (cpu_native.rms_norm_native, cpu_native.rope_native, activation.silu_and_mul_torch,
-               kv_store.store_kv_torch, attention.paged_attention_torch, w4a16.w4a16_linear_torch),
+    "native": (cpu_native.rms_norm_native, cpu_native.rope_native, cpu_native.silu_and_mul_native,
+               cpu_native.store_kv_native, cpu_native.paged_attention_native, w4a16.w4a16_linear_torch),
     "triton": (norm.rms_norm_triton, rope.rope_triton, activation.silu_and_mul_triton, kv_store.store_kv_triton,
                attention.paged_attention_triton, w4a16.w4a16_linear_triton),
 }
