@@ -3,10 +3,10 @@
 Decode steps run GEMMs of a few rows over weights far larger than the caches, so they are bound by how fast the
 weights stream from DRAM. Measured on this project's machines (docs/cpu_notes.md), one thread, the 17 GEMMs of a
 decode step of the 44M Llama:
-- 1 row: MKL's GEMV on the transposed [in, out] layout streams at the probe's bandwidth; it stays.
-- 2..NATIVE_MAX_ROWS rows: the native kernel, over a panel-packed copy of the weight with software prefetch (oneDNN's
-  packed GEMM leaves the weight stream short of bandwidth at these sizes): decode steps take 12-16% less time
-  at batch 8 and 32 than on oneDNN.
+- NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows: the native kernel, over a panel-packed copy of the weight (on huge pages)
+  with software prefetch (oneDNN's packed GEMM leaves the weight stream short of bandwidth at these sizes): decode
+  steps take 12-16% less time at batch 8 and 32 than on oneDNN.
+- 1 row on the 256-bit build: MKL's GEMV on the transposed [in, out] layout (engine.model._linear_weight).
 - more rows (long prefills): oneDNN's packed GEMM, compute-bound, 1.1-1.3x the native kernel at 192-512 rows.
 Where the native library is missing (kernels.cpu_native: no compiler, not x86) or ``TWINSERVE_NATIVE_GEMM=0`` is
 set (to measure what the kernel brings), oneDNN takes those rows instead.
@@ -23,7 +23,12 @@ import torch.nn.functional as F
 
 from kernels.cpu_native import fp32_cpu, huge_page_empty, native_library, unit_stride_rows
 
-PACKED_MIN_ROWS = 2  # 1 row: MKL's GEMV on the transposed layout (engine.model._linear_weight) is the fastest
+# From these row counts the native kernel runs. 512-bit build, from 1 row: one weight copy for every decode batch
+# size. With MKL's GEMV (another copy) at 1 row, the first step after the batch size crossed 1 <-> 2 ran on weights
+# the other copy had pushed out of cache: tiny-model decode steps right after a batch change took 2.72 ms against
+# 2.12 ms steady (native at 1 row: 2.15 and 2.10); and at batch 1 on the 44M model native beat MKL in three
+# alternating engine runs (decode step 6.0-6.6 vs 6.7-8.2 ms). 256-bit build: unmeasured at 1 row, MKL stays.
+NATIVE_MIN_ROWS = {64: 1, 32: 2}  # vector bytes of the build -> fewest rows it takes
 # Above these row counts oneDNN's compute-bound kernels win. 512-bit build, whole engine prefill steps (weights
 # come from L3 between layers, where the native kernel's prefetch pays; a hot-cache GEMM loop flatters oneDNN):
 # 44M model 1.05x oneDNN at 65 rows, 1.0x at 96-128, 0.88x at 192, 0.87x at 512; the 5M tiny model 1.15x at 65,
@@ -93,12 +98,16 @@ class CpuLinear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if not fp32_cpu(x, weight) or x.dim() != 2 or rows < PACKED_MIN_ROWS:
+        if not fp32_cpu(x, weight) or x.dim() != 2:
+            return F.linear(x, weight, bias)
+        lib = gemm_library()
+        vb = lib.tw_vector_bytes() if lib is not None else 0
+        if lib is not None and NATIVE_MIN_ROWS[vb] <= rows <= NATIVE_MAX_ROWS[vb]:
+            self._check(weight)
+            return native_linear(x, self._native(weight, lib), weight.shape[0], bias, lib)
+        if rows <= 1:  # MKL's GEMV on the transposed layout (or no rows at all)
             return F.linear(x, weight, bias)
         self._check(weight)
-        lib = gemm_library()
-        if lib is not None and rows <= NATIVE_MAX_ROWS[lib.tw_vector_bytes()]:
-            return native_linear(x, self._native(weight, lib), weight.shape[0], bias, lib)
         if not ONEDNN:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._onednn(weight), bias, "none", [], "")

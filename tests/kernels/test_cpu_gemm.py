@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernels import cpu_gemm, cpu_native
-from kernels.cpu_gemm import NATIVE_MAX_ROWS, PACKED_MIN_ROWS, CpuLinear, gemm_library, native_linear, pack_weight
+from kernels.cpu_gemm import NATIVE_MAX_ROWS, NATIVE_MIN_ROWS, CpuLinear, gemm_library, native_linear, pack_weight
 from kernels.cpu_native import native_library
 
 
@@ -103,15 +103,22 @@ def test_native_linear_rejects_mismatched_inputs(lib):
 
 
 def test_cpu_linear_dispatch_and_repacking(lib):
-    """1 row: F.linear itself; PACKED_MIN_ROWS..NATIVE_MAX_ROWS: the native kernel; more: oneDNN (or F.linear).
-    The packed copies follow in-place weight updates (version counter) and prepack makes both ahead of time."""
-    x, w, bias = _data(NATIVE_MAX_ROWS[lib.tw_vector_bytes()] + 8, 300, 64, transposed=True)
+    """NATIVE_MIN_ROWS..NATIVE_MAX_ROWS: the native kernel; 1 row below that: F.linear itself; more: oneDNN (or
+    F.linear). The packed copies follow in-place weight updates (version counter) and prepack makes both ahead of
+    time."""
+    vb = lib.tw_vector_bytes()
+    x, w, bias = _data(NATIVE_MAX_ROWS[vb] + 8, 300, 64, transposed=True)
     linear = CpuLinear()
-    assert torch.equal(linear(x[:1], w, bias), F.linear(x[:1], w, bias))
-    assert linear.native is None and linear.onednn is None
-    small = linear(x[:PACKED_MIN_ROWS + 3], w, bias)
+    one = linear(x[:1], w, bias)
+    if NATIVE_MIN_ROWS[vb] > 1:
+        assert torch.equal(one, F.linear(x[:1], w, bias)) and linear.native is None
+    else:
+        assert torch.equal(one, native_linear(x[:1], linear.native, 300, bias, lib))
+    assert linear.onednn is None
+    small = linear(x[:NATIVE_MIN_ROWS[vb] + 3], w, bias)
     assert linear.native is not None and linear.onednn is None
-    assert torch.equal(small, native_linear(x[:PACKED_MIN_ROWS + 3], linear.native, 300, bias, lib))
+    assert torch.equal(small, native_linear(x[:NATIVE_MIN_ROWS[vb] + 3], linear.native, 300, bias, lib))
+    assert linear(x[:0], w, bias).shape == (0, 300)
     torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
     assert linear.onednn is not None or not cpu_gemm.ONEDNN
     w.mul_(2)  # in place: the version counter moves, both packed copies are remade on use
