@@ -228,6 +228,19 @@ static inline float hsum_tree(vec v) {
 
 #define ATTN_AHEAD 4 /* tokens: the K or V row read that many tokens later is prefetched (blocks are scattered) */
 
+/* A walk over a sequence's cache slots in position order, without a division per token: block-table index and
+ * offset of the current position, and of the position ATTN_AHEAD later (prefetched). */
+typedef struct {
+    int64_t b, o, ab, ao;
+} slot_walk;
+
+static inline slot_walk walk_start(int64_t bs) { return (slot_walk){0, 0, ATTN_AHEAD / bs, ATTN_AHEAD % bs}; }
+
+static inline void walk_next(slot_walk* w, int64_t bs) {
+    if (++w->o == bs) w->o = 0, w->b++;
+    if (++w->ao == bs) w->ao = 0, w->ab++;
+}
+
 static inline void prefetch_row(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
@@ -261,10 +274,10 @@ int64_t tw_decode_attention(const float* q, int64_t ldt, int64_t ldh, int64_t S,
         float* acc = sc + H * max_len; /* [H][D] */
         float* inv = acc + H * D;      /* [H]: 1 / each head's softmax denominator */
         const int32_t* bt = tables + s * W;
-        for (int64_t j = 0; j < L; j++) { /* scores, keys in memory order */
-            const float* kj = kc + (bt[j / bs] * bs + j % bs) * token;
-            if (j + ATTN_AHEAD < L)
-                prefetch_row(kc + (bt[(j + ATTN_AHEAD) / bs] * bs + (j + ATTN_AHEAD) % bs) * token, token);
+        slot_walk w = walk_start(bs);
+        for (int64_t j = 0; j < L; j++, walk_next(&w, bs)) { /* scores, keys in memory order */
+            const float* kj = kc + (bt[w.b] * bs + w.o) * token;
+            if (j + ATTN_AHEAD < L) prefetch_row(kc + (bt[w.ab] * bs + w.ao) * token, token);
             for (int64_t i = 0; i < H; i++) {
                 const float *qi = qs + i * ldh, *k = kj + (i / G) * D;
                 vec a = (vec){0};
@@ -295,10 +308,10 @@ int64_t tw_decode_attention(const float* q, int64_t ldt, int64_t ldh, int64_t S,
             inv[i] = 1.0f / sum;
         }
         for (int64_t e = 0; e < H * D; e++) acc[e] = 0.0f;
-        for (int64_t j = 0; j < L; j++) { /* weighted sum of values, in memory order */
-            const float* vj = vc + (bt[j / bs] * bs + j % bs) * token;
-            if (j + ATTN_AHEAD < L)
-                prefetch_row(vc + (bt[(j + ATTN_AHEAD) / bs] * bs + (j + ATTN_AHEAD) % bs) * token, token);
+        w = walk_start(bs);
+        for (int64_t j = 0; j < L; j++, walk_next(&w, bs)) { /* weighted sum of values, in memory order */
+            const float* vj = vc + (bt[w.b] * bs + w.o) * token;
+            if (j + ATTN_AHEAD < L) prefetch_row(vc + (bt[w.ab] * bs + w.ao) * token, token);
             for (int64_t i = 0; i < H; i++) {
                 const float p = sc[i * max_len + j], *v = vj + (i / G) * D;
                 float* a = acc + i * D;
