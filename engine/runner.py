@@ -60,12 +60,12 @@ class ModelRunner:
         self.max_positions = model.cos_sin.shape[0]
         # torch attention: one plan per step for all layers; on CPU, decodes also keep their K/V between steps.
         # The native backend's decodes read the paged cache in C: it plans only steps with a prefill chunk.
-        native = self.kernels.attention is paged_attention_native
-        self._plan_attention = self.kernels.attention is paged_attention_torch or native
-        self._plan_decodes = not native
+        torch_attention = self.kernels.attention is paged_attention_torch
+        self._plan_attention = torch_attention or self.kernels.attention is paged_attention_native
+        self._plan_decodes = torch_attention
         k = kv_caches[0].k
         self._decode_cache = DecodeCache(2 * k.shape[2] * k.shape[3] * 4) \
-            if self._plan_attention and not native and self.device.type == "cpu" else None
+            if torch_attention and self.device.type == "cpu" else None
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode-only steps (capture_graphs)

@@ -116,9 +116,7 @@ def native_library() -> ctypes.CDLL | None:
     lib.tw_silu_and_mul.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
     lib.tw_store_kv.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
     lib.tw_store_kv.restype = i64
-    for f in (lib.tw_argmax_rows, lib.tw_silu_and_mul):
-        f.restype = None
-    for f in (lib.tw_gemm, lib.tw_rms_norm):
+    for f in (lib.tw_gemm, lib.tw_rms_norm, lib.tw_argmax_rows, lib.tw_silu_and_mul):
         f.restype = None
     return lib
 
@@ -131,7 +129,7 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
     one). For the weights decode steps stream: with 4 KiB pages a 65 MB LM head spans 16k pages, far more than the
     TLB holds, and each new page costs a page walk inside the stream. Measured on the Xeon (engine, batch 8, one
     thread): decode steps 16.6 -> 15.0 ms with every packed GEMM weight on huge pages (batch 32, compute-bound:
-    no change; batch 1 runs MKL on the model's own weights: no change when those were on huge pages too)."""
+    no change)."""
     n = math.prod(shape) * dtype.itemsize
     if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
