@@ -70,14 +70,20 @@ static inline __attribute__((always_inline)) void tile(const int MR, const float
             c1[i] += a * b1;
         }
     }
-    float t[NR];
+    if (ncols == NR) { /* a whole panel: two vector stores per row */
+        const vec b0 = bias ? vload(bias) : (vec){0}, b1 = bias ? vload(bias + VL) : (vec){0};
 #pragma GCC unroll 16
+        for (int i = 0; i < MR; i++) {
+            vstore(C + i * ldc, bias ? c0[i] + b0 : c0[i]);
+            vstore(C + i * ldc + VL, bias ? c1[i] + b1 : c1[i]);
+        }
+        return;
+    }
+    float t[NR]; /* the last panel, cut short at N */
     for (int i = 0; i < MR; i++) {
-        memcpy(t, &c0[i], VB);
-        memcpy(t + VL, &c1[i], VB);
-        if (bias)
-            for (int j = 0; j < NR; j++) t[j] += j < ncols ? bias[j] : 0.0f;
-        memcpy(C + i * ldc, t, (size_t)ncols * sizeof(float));
+        vstore(t, c0[i]);
+        vstore(t + VL, c1[i]);
+        for (int j = 0; j < ncols; j++) C[i * ldc + j] = bias ? t[j] + bias[j] : t[j];
     }
 }
 
@@ -114,6 +120,9 @@ void tw_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* Bp,
             /* one block streams its own panel `ahead` rows ahead; several take 1/blocks of the next panel each */
             const float* pf = blocks == 1 ? panel + ahead * NR : next + b * K * NR / blocks;
             const int64_t pf_stride = blocks == 1 ? NR : (NR + blocks - 1) / blocks;
+            if (p + 1 < panels) /* the next panel's output lines, owned before its tile stores to them */
+                for (int i = 0; i < mr; i++)
+                    for (int l = 0; l < NR; l += 16) __builtin_prefetch(C + (m + i) * ldc + (p + 1) * NR + l, 1, 3);
             row_block(mr, A + m * lda, lda, panel, K, C + m * ldc + p * NR, ldc, ncols, bias ? bias + p * NR : 0, pf,
                       pf_stride);
         }
