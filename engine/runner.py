@@ -59,13 +59,14 @@ class ModelRunner:
         self.seed = seed
         self.max_positions = model.cos_sin.shape[0]
         # torch attention: one plan per step for all layers; on CPU, decodes also keep their K/V between steps.
-        # The native backend's decodes read the paged cache in C: it plans only steps with a prefill chunk.
-        torch_attention = self.kernels.attention is paged_attention_torch
-        self._plan_attention = torch_attention or self.kernels.attention is paged_attention_native
-        self._plan_decodes = torch_attention
+        # The native backend's decodes read an fp32 paged cache in C: then only steps with a prefill chunk are
+        # planned (with an int8 or 16-bit cache it runs the torch path, decodes included).
         k = kv_caches[0].k
+        native = self.kernels.attention is paged_attention_native
+        self._plan_attention = native or self.kernels.attention is paged_attention_torch
+        self._plan_decodes = not (native and k.dtype == torch.float32 and k.device.type == "cpu")
         self._decode_cache = DecodeCache(2 * k.shape[2] * k.shape[3] * 4) \
-            if torch_attention and self.device.type == "cpu" else None
+            if self._plan_attention and self._plan_decodes and self.device.type == "cpu" else None
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode-only steps (capture_graphs)

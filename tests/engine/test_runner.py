@@ -191,6 +191,38 @@ def test_materialised_prompts(tiny):
     assert set(runner._prompts) == {"n"}
 
 
+@pytest.mark.parametrize("chunk_size", [4, None])
+def test_native_backend_matches_transformers_and_plans_what_it_needs(tiny, mixed, chunk_size):
+    """The native backend: greedy tokens as transformers' (decodes in C, chunked prefills next to decodes through
+    the torch path); decode-only steps get no attention plan and no K/V copies. With an int8 cache its attention
+    is the torch path's, decode copies included, and its tokens the torch backend's."""
+    ps, refs = mixed
+    runner = make_runner(tiny["llama"][1], kernels="native")
+    states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+    plans, prepare = [], runner.prepare
+
+    def recording(batch, *args):
+        inputs = prepare(batch, *args)
+        plans.append(inputs.meta.plan)
+        return inputs
+
+    runner.prepare = recording
+    try:
+        run_to_completion(runner, Blocks(), states, chunk_size)
+    finally:
+        del runner.prepare
+    assert [s.output_token_ids for s in states] == refs["llama"]
+    assert runner._decode_cache is None and None in plans and any(p is not None for p in plans)
+    outs = []
+    for kernels in ("torch", "native"):
+        states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+        runner = make_runner(tiny["llama"][1], kernels=kernels, kv_dtype="int8")
+        run_to_completion(runner, Blocks(), states, chunk_size)
+        assert runner._decode_cache is not None and runner._decode_cache.appends > 0
+        outs.append([s.output_token_ids for s in states])
+    assert outs[0] == outs[1]
+
+
 def test_int8_kv_generation_runs(tiny):
     hf, model = tiny["llama"]
     states = [_state(f"r{i}", p) for i, p in enumerate(prompts(3, [6, 11]))]
