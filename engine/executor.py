@@ -20,6 +20,7 @@ from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingParams
 from engine.speculative import DraftModelProposer, Proposer
+from kernels.cpu_gemm import CPU_GEMMS
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import get_kernels
 
@@ -151,6 +152,7 @@ class EngineOptions:
     quant: str | None = None  # None | w4a16
     quant_group_size: int = 128  # W4A16 group (must divide the linear layers' input widths)
     kv_dtype: str = "auto"  # auto (the model dtype) | int8
+    cpu_gemm: str = "auto"  # fp32 CPU GEMMs: auto (the faster kernel per row count) | native (one kernel, one copy)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -169,6 +171,7 @@ class EngineOptions:
         check_choice(self.quant, "backend.quant", QUANTS)
         put("quant_group_size", check_int(self.quant_group_size, "backend.quant_group_size", 1, whole_float=True))
         check_choice(self.kv_dtype, "backend.kv_dtype", KV_DTYPES)
+        check_choice(self.cpu_gemm, "backend.cpu_gemm", CPU_GEMMS)
         put("temperature", check_float(self.temperature, "backend.temperature", 0.0))
         put("top_p", check_fraction(self.top_p, "backend.top_p"))
         put("top_k", check_int(self.top_k, "backend.top_k", 0, whole_float=True))
@@ -209,7 +212,8 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers:
         ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=options.device,
                                    dtype=options.torch_dtype, quant=options.quant, group_size=group,
                                    kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock,
-                                   host_blocks=kv.host.num_blocks if kv.host is not None else 0)
+                                   host_blocks=kv.host.num_blocks if kv.host is not None else 0,
+                                   cpu_gemm=options.cpu_gemm)
         model = ex.runner.model
         ex.warmup(options.warmup_steps, options.cuda_graphs)
         executors.append(ex)
@@ -220,17 +224,18 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
                           device: str = "cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                           group_size: int = 128, kv_dtype: str = "auto", seed: int = 0,
                           sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
-                          clock: str = "wall", host_blocks: int = 0) -> EngineExecutor:
+                          clock: str = "wall", host_blocks: int = 0, cpu_gemm: str = "auto") -> EngineExecutor:
     """One replica's executor, with KV tensors for the manager's pool (and a host pool of ``host_blocks`` blocks
     for the manager's host tier, if it has one). Pass ``model`` to share one set of weights
     between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
-    ``spec.path`` or random-initialised from ``seed``."""
+    ``spec.path`` or random-initialised from ``seed``. ``cpu_gemm``: kernels.cpu_gemm.CPU_GEMMS."""
     num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
     kernel_set = get_kernels(resolve_kernels(kernels, device))
     if dtype is None and model is None and str(device).startswith("cuda") and spec.dtype == "float32":
         dtype = torch.bfloat16  # fp32 on a GPU runs ieee dots without tensor cores: bf16 unless asked for
     if model is None:
         model = build_model(spec, seed=seed, dtype=dtype, device=device, quant=quant, group_size=group_size)
+    model.use_cpu_gemm(cpu_gemm)
     caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)
     sampler = Sampler(sampling, seed=seed, device=model.device)
     runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)

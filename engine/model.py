@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.checks import check_choice
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache, paged_attention
-from kernels.cpu_gemm import CpuLinear
+from kernels.cpu_gemm import CPU_GEMMS, CpuLinear
 from kernels.ops import KernelSet
 from kernels.rope import rope_cos_sin
 from kernels.w4a16 import QuantizedWeight, quantize_w4
@@ -184,6 +185,16 @@ class LlamaForCausalLM(nn.Module):
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the LM head's weight, or the tied embedding table."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def use_cpu_gemm(self, choice: str) -> None:
+        """kernels.cpu_gemm.CPU_GEMMS: "native" runs every fp32 CPU GEMM on the native kernel (one packed weight
+        copy), "auto" the faster kernel per row count. Drops packed copies made under the other choice."""
+        check_choice(choice, "backend.cpu_gemm", CPU_GEMMS)
+        for module in self.modules():
+            if isinstance(module, Linear) and module.matmul.native_only != (choice == "native"):
+                module.matmul = CpuLinear(choice == "native")
+        if self.logits_matmul.native_only != (choice == "native"):
+            self.logits_matmul = CpuLinear(choice == "native")
 
     def pack_cpu_weights(self) -> None:
         """Pack every fp32 CPU GEMM's weight copies now (warm-up) rather than in a timed step."""

@@ -37,6 +37,12 @@ NATIVE_MIN_ROWS = {64: 1, 32: 2}  # vector bytes of the build -> fewest rows it 
 # 256-bit build: measured only on an AVX-512 CPU (against oneDNN's AVX-512 kernels), 0.93x at 32 rows and 0.7x at
 # 64; oneDNN on an AVX2-only CPU is slower than that, so 32 is a conservative cut there.
 NATIVE_MAX_ROWS = {64: 128, 32: 32}  # vector bytes of the build -> most rows it takes
+# backend.cpu_gemm: "auto" takes the faster GEMM for each row count (above); "native" the native kernel at every row
+# count, one packed copy of each weight: a step then costs the same whatever step ran before it. With "auto" a run's
+# long prefill (after decodes) finds oneDNN's copy cold where a back-to-back calibration profile finds it warm; on
+# the tiny engine "native" with profile_weight 1.0 brought the pipeline's held-out errors from up to 22% to within
+# 8%. It costs long prefills: a 4096-token prefill of the 44M model takes 12% longer.
+CPU_GEMMS = ("auto", "native")
 ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 
@@ -86,15 +92,18 @@ class CpuLinear:
     over packed copies of the weight kept here (one per layer: no process-wide cache) and remade when the weight
     changes (its data pointer or version counter)."""
 
-    __slots__ = ("key", "onednn", "native")
+    __slots__ = ("key", "onednn", "native", "native_only")
 
-    def __init__(self) -> None:
+    def __init__(self, native_only: bool = False) -> None:
         self.key: tuple[int, int] | None = None
         self.onednn: torch.Tensor | None = None
         self.native: torch.Tensor | None = None
+        # the native kernel at every row count (no oneDNN copy): see CPU_GEMMS
+        self.native_only = native_only
 
     def __deepcopy__(self, memo: dict) -> CpuLinear:
-        return CpuLinear()  # a cache of the weight: a copied model packs its own (a oneDNN tensor cannot be copied)
+        # a cache of the weight: a copied model packs its own (a oneDNN tensor cannot be copied)
+        return CpuLinear(self.native_only)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
@@ -102,7 +111,7 @@ class CpuLinear:
             return F.linear(x, weight, bias)
         lib = gemm_library()
         vb = lib.tw_vector_bytes() if lib is not None else 0
-        if lib is not None and NATIVE_MIN_ROWS[vb] <= rows <= NATIVE_MAX_ROWS[vb]:
+        if lib is not None and NATIVE_MIN_ROWS[vb] <= rows and (self.native_only or rows <= NATIVE_MAX_ROWS[vb]):
             self._check(weight)
             return native_linear(x, self._native(weight, lib), weight.shape[0], bias, lib)
         if rows <= 1:  # MKL's GEMV on the transposed layout (or no rows at all)
@@ -119,7 +128,7 @@ class CpuLinear:
         self._check(weight)
         if (lib := gemm_library()) is not None:
             self._native(weight, lib)
-        if ONEDNN:
+        if ONEDNN and not (self.native_only and lib is not None):
             self._onednn(weight)
 
     def _native(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:

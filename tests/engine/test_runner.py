@@ -223,6 +223,25 @@ def test_native_backend_matches_transformers_and_plans_what_it_needs(tiny, mixed
     assert outs[0] == outs[1]
 
 
+def test_cpu_gemm_choice_keeps_the_tokens(tiny, mixed):
+    """backend.cpu_gemm=native (every GEMM on the native kernel) gives transformers' greedy tokens too, on the
+    model's own Linear layers and LM head; switching back restores the per-row-count choice."""
+    ps, refs = mixed
+    model = tiny["llama"][1]
+    try:
+        model.use_cpu_gemm("native")
+        assert model.logits_matmul.native_only and all(
+            m.matmul.native_only for m in model.modules() if hasattr(m, "matmul"))
+        states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+        run_to_completion(make_runner(model, kernels="native"), Blocks(), states, None)
+        assert [s.output_token_ids for s in states] == refs["llama"]
+        with pytest.raises(ValueError, match="backend.cpu_gemm"):
+            model.use_cpu_gemm("mkl")
+    finally:
+        model.use_cpu_gemm("auto")
+    assert not model.logits_matmul.native_only
+
+
 def test_int8_kv_generation_runs(tiny):
     hf, model = tiny["llama"]
     states = [_state(f"r{i}", p) for i, p in enumerate(prompts(3, [6, 11]))]

@@ -131,6 +131,20 @@ def test_cpu_linear_dispatch_and_repacking(lib):
     assert torch.equal(fresh(x[:8], w), linear(x[:8], w))
 
 
+def test_native_only_runs_every_row_count_on_one_copy(lib):
+    """native_only (backend.cpu_gemm=native): past NATIVE_MAX_ROWS too, the native kernel, and no oneDNN copy is
+    ever made; a deep copy keeps the choice."""
+    import copy
+
+    vb = lib.tw_vector_bytes()
+    x, w, bias = _data(NATIVE_MAX_ROWS[vb] + 40, 300, 64, transposed=True)
+    linear = CpuLinear(native_only=True)
+    linear.prepack(w)
+    assert linear.native is not None and linear.onednn is None
+    assert torch.equal(linear(x, w, bias), native_linear(x, linear.native, 300, bias, lib))
+    assert linear.onednn is None and copy.deepcopy(linear).native_only
+
+
 def test_cpu_linear_leaves_other_dtypes_to_f_linear():
     x, w, bias = _data(8, 40, 16)
     for dtype in (torch.float64, torch.bfloat16):
