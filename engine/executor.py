@@ -153,6 +153,7 @@ class EngineOptions:
     quant_group_size: int = 128  # W4A16 group (must divide the linear layers' input widths)
     kv_dtype: str = "auto"  # auto (the model dtype) | int8
     cpu_gemm: str = "auto"  # fp32 CPU GEMMs: auto (the faster kernel per row count) | native (one kernel, one copy)
+    greedy_screen: bool = True  # greedy tokens through an int8 screen of the LM head (same tokens; fp32 CPU, VNNI)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -172,6 +173,7 @@ class EngineOptions:
         put("quant_group_size", check_int(self.quant_group_size, "backend.quant_group_size", 1, whole_float=True))
         check_choice(self.kv_dtype, "backend.kv_dtype", KV_DTYPES)
         check_choice(self.cpu_gemm, "backend.cpu_gemm", CPU_GEMMS)
+        check_bool(self.greedy_screen, "backend.greedy_screen")
         put("temperature", check_float(self.temperature, "backend.temperature", 0.0))
         put("top_p", check_fraction(self.top_p, "backend.top_p"))
         put("top_k", check_int(self.top_k, "backend.top_k", 0, whole_float=True))
@@ -213,7 +215,7 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers:
                                    dtype=options.torch_dtype, quant=options.quant, group_size=group,
                                    kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock,
                                    host_blocks=kv.host.num_blocks if kv.host is not None else 0,
-                                   cpu_gemm=options.cpu_gemm)
+                                   cpu_gemm=options.cpu_gemm, greedy_screen=options.greedy_screen)
         model = ex.runner.model
         ex.warmup(options.warmup_steps, options.cuda_graphs)
         executors.append(ex)
@@ -224,11 +226,13 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
                           device: str = "cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                           group_size: int = 128, kv_dtype: str = "auto", seed: int = 0,
                           sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
-                          clock: str = "wall", host_blocks: int = 0, cpu_gemm: str = "auto") -> EngineExecutor:
+                          clock: str = "wall", host_blocks: int = 0, cpu_gemm: str = "auto",
+                          greedy_screen: bool = True) -> EngineExecutor:
     """One replica's executor, with KV tensors for the manager's pool (and a host pool of ``host_blocks`` blocks
     for the manager's host tier, if it has one). Pass ``model`` to share one set of weights
     between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
-    ``spec.path`` or random-initialised from ``seed``. ``cpu_gemm``: kernels.cpu_gemm.CPU_GEMMS."""
+    ``spec.path`` or random-initialised from ``seed``. ``cpu_gemm``: kernels.cpu_gemm.CPU_GEMMS; ``greedy_screen``:
+    LlamaForCausalLM.use_greedy_screen."""
     num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
     kernel_set = get_kernels(resolve_kernels(kernels, device))
     if dtype is None and model is None and str(device).startswith("cuda") and spec.dtype == "float32":
@@ -236,6 +240,7 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
     if model is None:
         model = build_model(spec, seed=seed, dtype=dtype, device=device, quant=quant, group_size=group_size)
     model.use_cpu_gemm(cpu_gemm)
+    model.use_greedy_screen(greedy_screen)
     caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)
     sampler = Sampler(sampling, seed=seed, device=model.device)
     runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)

@@ -16,6 +16,7 @@ from core.checks import check_choice
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache, paged_attention
 from kernels.cpu_gemm import CPU_GEMMS, CpuLinear
+from kernels.greedy_screen import GreedyScreen
 from kernels.ops import KernelSet
 from kernels.rope import rope_cos_sin
 from kernels.w4a16 import QuantizedWeight, quantize_w4
@@ -156,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False,
                                                                      self.dtype, device)
         self.logits_matmul = CpuLinear()  # the LM head (or the tied embedding) as a GEMM
+        self.greedy_screen: GreedyScreen | None = GreedyScreen()  # greedy tokens without all the logits (CPU)
         # cos/sin rounded to the model dtype, as HF casts them before rotating
         self.register_buffer("cos_sin", rope_cos_sin(spec.head_dim, spec.max_model_len, spec.rope_theta,
                                                      spec.rope_scaling, self.dtype, device), persistent=False)
@@ -181,6 +183,18 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised)."""
         return self.logits_matmul(hidden, self.logits_weight)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden] -> the argmax of each row's logits (int64 [n]) through the LM head's int8 screen
+        (kernels.greedy_screen: the same tokens, most logits never computed in fp32); None where the screen does not
+        apply (off, not an fp32 model on an AVX-512 VNNI CPU, a row it cannot screen): take compute_logits."""
+        return None if self.greedy_screen is None else self.greedy_screen(hidden, self.logits_weight)
+
+    def use_greedy_screen(self, on: bool) -> None:
+        """backend.greedy_screen: greedy_tokens through the screen (True) or never (False: callers compute every
+        logit)."""
+        if on != (self.greedy_screen is not None):
+            self.greedy_screen = GreedyScreen() if on else None
+
     @property
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the LM head's weight, or the tied embedding table."""
@@ -202,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear) and module.weight is not None:
                 module.matmul.prepack(module.weight)
         self.logits_matmul.prepack(self.logits_weight)
+        if self.greedy_screen is not None:
+            self.greedy_screen.prepack(self.logits_weight)
 
     def quantize(self, group_size: int = 128, zero_point: bool = True) -> None:
         """W4A16: replace every projection in the decoder layers by a group-wise 4-bit weight."""

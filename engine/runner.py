@@ -40,6 +40,15 @@ class StepInputs:
     drafts: list[list[int]] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a forward step leaves for sampling: the sampled rows' final hidden states, or (a CUDA graph replay)
+    their logits."""
+
+    hidden: torch.Tensor | None = None  # [n, hidden]
+    logits: torch.Tensor | None = None  # [n, vocab]
+
+
 class ModelRunner:
     """Runs batches on one model with one set of KV caches (one replica)."""
 
@@ -222,8 +231,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch, block_table: Callable[[str], list[int]]) -> list[int]:
         """One forward step; returns one token per chunk with ``samples`` set, in batch order."""
-        logits, inputs = self._forward(batch, block_table, None)
-        return [] if logits is None else self.sampler(logits, inputs.sample_states).tolist()
+        out, inputs = self._forward(batch, block_table, None)
+        return [] if out is None else self._sample(out, inputs).tolist()
 
     @torch.inference_mode()
     def speculate(self, batch: Batch, block_table: Callable[[str], list[int]],
@@ -231,27 +240,42 @@ class ModelRunner:
         """One forward step that also verifies draft tokens (``drafts`` by request id, see ``prepare``): the tokens
         of the chunks with ``samples`` set, flattened in batch order, and how many each yields (1 to 1 + d;
         ``Sampler.verify``)."""
-        logits, inputs = self._forward(batch, block_table, drafts)
-        if logits is None:
+        out, inputs = self._forward(batch, block_table, drafts)
+        if out is None:
             return [], []
         if inputs.drafts is None:  # no chunk carried drafts
-            return self.sampler(logits, inputs.sample_states).tolist(), [1] * logits.shape[0]
-        return self._verify(logits, inputs)
+            tokens = self._sample(out, inputs).tolist()
+            return tokens, [1] * len(tokens)
+        return self._verify(self._logits(out), inputs)
 
     def _forward(self, batch: Batch, block_table: Callable[[str], list[int]],
-                 drafts: Mapping[str, list[int]] | None) -> tuple[torch.Tensor | None, StepInputs | None]:
+                 drafts: Mapping[str, list[int]] | None) -> tuple[StepOutput | None, StepInputs | None]:
+        """The step's final hidden states of the sampled rows (logits, from a CUDA graph), or None: nothing
+        samples."""
         if batch.empty:
             return None, None
         inputs = self.prepare(batch, block_table, drafts)
         f, graphs = batch.features, self.graphs
         if graphs is not None and f.num_decode_seqs == f.num_batched_tokens == f.num_seqs \
                 and graphs.fits(f.num_seqs, inputs.meta.block_tables.shape[1]):
-            return graphs.run(inputs.input_ids, inputs.positions, inputs.meta), inputs
+            return StepOutput(logits=graphs.run(inputs.input_ids, inputs.positions, inputs.meta)), inputs
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
                             rows=inputs.logits_rows)
         if inputs.logits_rows.numel() == 0:
             return None, inputs
-        return self.model.compute_logits(hidden), inputs
+        return StepOutput(hidden=hidden), inputs
+
+    def _logits(self, out: StepOutput) -> torch.Tensor:
+        return out.logits if out.logits is not None else self.model.compute_logits(out.hidden)
+
+    def _sample(self, out: StepOutput, inputs: StepInputs) -> torch.Tensor:
+        """One token per sampled row. When every row is greedy the model may take them without the full logits
+        (LlamaForCausalLM.greedy_tokens: the same tokens)."""
+        if out.hidden is not None and self.sampler.all_greedy(inputs.sample_states):
+            tokens = self.model.greedy_tokens(out.hidden)
+            if tokens is not None:
+                return tokens
+        return self.sampler(self._logits(out), inputs.sample_states)
 
     def _verify(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[list[int], list[int]]:
         """Tokens of a step with drafts: plain rows sampled together, each speculative decode verified."""

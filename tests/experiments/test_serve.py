@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -161,21 +160,23 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
     try:
         assert s.metric("kv_cache_usage_perc") == 0.0
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        long = client.completions.create(model=str(ckpt), prompt=[7] * 20, max_tokens=200, stream=True,
+        long = client.completions.create(model=str(ckpt), prompt=[7] * 20, max_tokens=230, stream=True,
                                          extra_body={"ignore_eos": True})
         next(iter(long))  # running now
         assert s.metric("kv_cache_usage_perc") > 0
-        waiting = subprocess.Popen([sys.executable, "-c", (
-            "import urllib.request, json; urllib.request.urlopen(urllib.request.Request("
-            f"'{s.url}/v1/completions', data=json.dumps({{'prompt': [8] * 5, 'max_tokens': 3}}).encode(), "
-            "headers={'Content-Type': 'application/json'}), timeout=60).read()")])
+        # the waiting request from a thread (a subprocess took long enough to start that the long one could end)
+        waiting_status: list[int] = []
+        waiting = threading.Thread(target=lambda: waiting_status.append(s.post(
+            "/v1/completions", json.dumps({"prompt": [8] * 5, "max_tokens": 3}).encode())[0]))
+        waiting.start()
         deadline = time.monotonic() + 20
         while s.metric("num_requests_waiting") < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=str(ckpt), prompt=[9] * 5, max_tokens=3)
         long.close()  # disconnect mid-stream: the long request is cancelled, the waiting one runs and ends
-        assert waiting.wait(timeout=60) == 0
+        waiting.join(timeout=60)
+        assert waiting_status == [200]
         deadline = time.monotonic() + 20
         while s.metric("kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
