@@ -64,3 +64,24 @@ def test_engine_benchmark_smoke():
             assert r[ratio] == pytest.approx(r[num] / r[den], rel=2e-3, abs=1e-3), ratio
         assert r["roofline_tok_s"] > 0 and r["decode_floor_ms"] > 0
         assert r["engine_steps"] == 4  # one prefill step, then one decode step per remaining output token
+
+
+def test_the_screened_floor_reads_the_int8_lm_head():
+    """With the greedy screen the bench's floor counts the LM head's int8 copy (a quarter of its fp32 bytes, int8
+    multiply-adds at four times the fp32 rate); everything else is the roofline's."""
+    from core.batch import StepFeatures
+    from core.specs import HardwareSpec, ModelSpec
+    from experiments.bench_engine import _step_floor
+    from sim.cost.roofline import RooflineCostModel
+
+    spec = ModelSpec(name="m", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408,
+                     vocab_size=32000, dtype="float32")
+    roof = RooflineCostModel(spec, HardwareSpec("cpu", peak_flops=1e11, mem_bw=2e10, mem_bytes=1e9), 1.0, 1.0, 0.0)
+    decode = StepFeatures(num_seqs=8, num_batched_tokens=8, num_decode_seqs=8, kv_tokens_read=8 * 130,
+                          max_context_len=130)
+    head = roof.ops(decode)["lm_head"]
+    fp32_head = max(head.flops / 1e11, head.bytes / 2e10)  # bandwidth-bound at batch 8
+    int8_head = max(head.flops / 4e11, (head.bytes - 3 * 32000 * 512) / 2e10)
+    assert _step_floor(roof, decode, False) == roof.step_time(decode)
+    assert _step_floor(roof, decode, True) == pytest.approx(roof.step_time(decode) - fp32_head + int8_head)
+    assert _step_floor(roof, StepFeatures(), True) == roof.step_time(StepFeatures())
