@@ -235,7 +235,7 @@ static inline float hsum_tree(vec v) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-#define ATTN_AHEAD 4 /* tokens: the K or V row read that many tokens later is prefetched (blocks are scattered) */
+#define ATTN_AHEAD 16 /* tokens: the K or V row read that many tokens later is prefetched (blocks are scattered) */
 
 /* A walk over a sequence's cache slots in position order, without a division per token: block-table index and
  * offset of the current position, and of the position ATTN_AHEAD later (prefetched). */
@@ -251,7 +251,73 @@ static inline void walk_next(slot_walk* w, int64_t bs) {
 }
 
 static inline void prefetch_row(const float* p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 2);
+}
+
+/* One decode sequence's attention (see tw_decode_attention) over L cached positions with block-table row bt:
+ * q [H][D] rows ldh apart, out [H][D]; sc [H][max_len] scores, acc [H][D], inv [H] scratch. Inlined with D a
+ * constant (64, 128) where the caller can: the loops over D unroll and the G query heads of a KV head reuse its
+ * key and value vectors from registers. */
+static inline __attribute__((always_inline)) void decode_one(const int64_t D, const float* qs, int64_t ldh, int64_t L,
+                                                             const int32_t* bt, int64_t bs, const float* kc,
+                                                             const float* vc, int64_t Hkv, int64_t G, float scale,
+                                                             float* o, float* sc, float* acc, float* inv,
+                                                             int64_t max_len) {
+    const int64_t dv = D - D % VL, token = Hkv * D;
+    slot_walk w = walk_start(bs);
+    for (int64_t j = 0; j < L; j++, walk_next(&w, bs)) { /* scores, keys in memory order */
+        const float* kj = kc + (bt[w.b] * bs + w.o) * token;
+        if (j + ATTN_AHEAD < L) prefetch_row(kc + (bt[w.ab] * bs + w.ao) * token, token);
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float* k = kj + h * D;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t i = h * G + g;
+                const float* qi = qs + i * ldh;
+                vec a = (vec){0};
+                for (int64_t d = 0; d < dv; d += VL) a += vload(qi + d) * vload(k + d);
+                float x = hsum_tree(a);
+                for (int64_t d = dv; d < D; d++) x += qi[d] * k[d];
+                sc[i * max_len + j] = x * scale;
+            }
+        }
+    }
+    const int64_t H = Hkv * G;
+    for (int64_t i = 0; i < H; i++) { /* softmax numerators in place */
+        float* si = sc + i * max_len;
+        float mx = si[0], sum = 0.0f;
+        for (int64_t j = 1; j < L; j++) mx = si[j] > mx ? si[j] : mx;
+        int64_t j = 0;
+        for (; j + VL <= L; j += VL) {
+            const vec x = vexp_nonpos(vload(si + j) - mx);
+            vstore(si + j, x);
+            sum += hsum_tree(x);
+        }
+        if (j < L) {
+            float t[VL];
+            for (int64_t l = 0; l < VL; l++) t[l] = j + l < L ? si[j + l] - mx : 0.0f;
+            vstore(t, vexp_nonpos(vload(t)));
+            for (int64_t l = 0; j + l < L; l++) sum += (si[j + l] = t[l]);
+        }
+        inv[i] = 1.0f / sum;
+    }
+    for (int64_t e = 0; e < H * D; e++) acc[e] = 0.0f;
+    w = walk_start(bs);
+    for (int64_t j = 0; j < L; j++, walk_next(&w, bs)) { /* weighted sum of values, in memory order */
+        const float* vj = vc + (bt[w.b] * bs + w.o) * token;
+        if (j + ATTN_AHEAD < L) prefetch_row(vc + (bt[w.ab] * bs + w.ao) * token, token);
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float* v = vj + h * D;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t i = h * G + g;
+                const float p = sc[i * max_len + j];
+                float* a = acc + i * D;
+                for (int64_t d = 0; d < dv; d += VL) vstore(a + d, vload(a + d) + p * vload(v + d));
+                for (int64_t d = dv; d < D; d++) a[d] += p * v[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < H; i++)
+        for (int64_t d = 0; d < D; d++) o[i * D + d] = acc[i * D + d] * inv[i];
 }
 
 /* Decode attention straight from the paged KV cache: for every sequence s with exactly one query token (row
@@ -273,65 +339,21 @@ int64_t tw_decode_attention(const float* q, int64_t ldt, int64_t ldh, int64_t S,
         for (int64_t b = 0; b < (L + bs - 1) / bs; b++)
             if (tables[s * W + b] < 0 || tables[s * W + b] >= num_blocks) return s;
     }
-    const int64_t G = H / Hkv, dv = D - D % VL, token = Hkv * D;
+    const int64_t G = H / Hkv;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && S >= 2)
     for (int64_t s = 0; s < S; s++) {
         if (qsl[s + 1] - qsl[s] != 1) continue;
-        const int64_t L = lens[s];
-        const float* qs = q + qsl[s] * ldt;
         float* sc = scratch + (int64_t)omp_get_thread_num() * H * (max_len + D + 1); /* scores [H][L] */
-        float* acc = sc + H * max_len; /* [H][D] */
-        float* inv = acc + H * D;      /* [H]: 1 / each head's softmax denominator */
+        float *acc = sc + H * max_len, *inv = acc + H * D;                           /* [H][D], [H] */
+        const float* qs = q + qsl[s] * ldt;
+        float* o = out + qsl[s] * H * D;
         const int32_t* bt = tables + s * W;
-        slot_walk w = walk_start(bs);
-        for (int64_t j = 0; j < L; j++, walk_next(&w, bs)) { /* scores, keys in memory order */
-            const float* kj = kc + (bt[w.b] * bs + w.o) * token;
-            if (j + ATTN_AHEAD < L) prefetch_row(kc + (bt[w.ab] * bs + w.ao) * token, token);
-            for (int64_t i = 0; i < H; i++) {
-                const float *qi = qs + i * ldh, *k = kj + (i / G) * D;
-                vec a = (vec){0};
-                for (int64_t d = 0; d < dv; d += VL) {
-                    a += vload(qi + d) * vload(k + d);
-                }
-                float x = hsum_tree(a);
-                for (int64_t d = dv; d < D; d++) x += qi[d] * k[d];
-                sc[i * max_len + j] = x * scale;
-            }
-        }
-        for (int64_t i = 0; i < H; i++) { /* softmax numerators in place */
-            float* si = sc + i * max_len;
-            float mx = si[0], sum = 0.0f;
-            for (int64_t j = 1; j < L; j++) mx = si[j] > mx ? si[j] : mx;
-            int64_t j = 0;
-            for (; j + VL <= L; j += VL) {
-                const vec x = vexp_nonpos(vload(si + j) - mx);
-                vstore(si + j, x);
-                sum += hsum_tree(x);
-            }
-            if (j < L) {
-                float t[VL];
-                for (int64_t l = 0; l < VL; l++) t[l] = j + l < L ? si[j + l] - mx : 0.0f;
-                vstore(t, vexp_nonpos(vload(t)));
-                for (int64_t l = 0; j + l < L; l++) sum += (si[j + l] = t[l]);
-            }
-            inv[i] = 1.0f / sum;
-        }
-        for (int64_t e = 0; e < H * D; e++) acc[e] = 0.0f;
-        w = walk_start(bs);
-        for (int64_t j = 0; j < L; j++, walk_next(&w, bs)) { /* weighted sum of values, in memory order */
-            const float* vj = vc + (bt[w.b] * bs + w.o) * token;
-            if (j + ATTN_AHEAD < L) prefetch_row(vc + (bt[w.ab] * bs + w.ao) * token, token);
-            for (int64_t i = 0; i < H; i++) {
-                const float p = sc[i * max_len + j], *v = vj + (i / G) * D;
-                float* a = acc + i * D;
-                for (int64_t d = 0; d < dv; d += VL) vstore(a + d, vload(a + d) + p * vload(v + d));
-                for (int64_t d = dv; d < D; d++) a[d] += p * v[d];
-            }
-        }
-        for (int64_t i = 0; i < H; i++) {
-            float* o = out + (qsl[s] * H + i) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv[i];
-        }
+        if (D == 64) /* the common head sizes, unrolled */
+            decode_one(64, qs, ldh, lens[s], bt, bs, kc, vc, Hkv, G, scale, o, sc, acc, inv, max_len);
+        else if (D == 128)
+            decode_one(128, qs, ldh, lens[s], bt, bs, kc, vc, Hkv, G, scale, o, sc, acc, inv, max_len);
+        else
+            decode_one(D, qs, ldh, lens[s], bt, bs, kc, vc, Hkv, G, scale, o, sc, acc, inv, max_len);
     }
     return -1;
 }
