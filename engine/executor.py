@@ -153,7 +153,7 @@ class EngineOptions:
     quant_group_size: int = 128  # W4A16 group (must divide the linear layers' input widths)
     kv_dtype: str = "auto"  # auto (the model dtype) | int8
     cpu_gemm: str = "auto"  # fp32 CPU GEMMs: auto (the faster kernel per row count) | native (one kernel, one copy)
-    greedy_screen: bool = True  # greedy tokens through an int8 screen of the LM head (same tokens; fp32 CPU, VNNI)
+    greedy_screen: bool = True  # greedy tokens through an int8 screen of the LM head (same tokens; fp32, x86 CPU)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off

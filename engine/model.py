@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[n, hidden] -> the argmax of each row's logits (int64 [n]) through the LM head's int8 screen
         (kernels.greedy_screen: the same tokens, most logits never computed in fp32); None where the screen does not
-        apply (off, not an fp32 model on an AVX-512 VNNI CPU, a row it cannot screen): take compute_logits."""
+        apply (off, not an fp32 model on an x86 CPU with AVX2, a row it cannot screen): take compute_logits."""
         return None if self.greedy_screen is None else self.greedy_screen(hidden, self.logits_weight)
 
     def use_greedy_screen(self, on: bool) -> None:

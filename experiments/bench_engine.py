@@ -17,7 +17,8 @@ close the engine and transformers come, and ``max_speedup_vs_hf`` = roofline / t
 engine can show against transformers here (a goal above it needs fewer bytes or FLOPs, not a faster engine). With
 the greedy screen on (``--greedy-screen``, the engine's default) the floor's LM head is what the screen reads and
 computes: its int8 copy, a quarter of the fp32 bytes, and int8 multiply-adds at four times the fp32 FMA rate (one
-VNNI instruction does 64 where an FMA does 16).
+VNNI instruction does 64 where an FMA does 16; the AVX2 build's two-instruction form is slower, so there the floor
+is optimistic).
 ``--varied`` serves mixed prompt / output lengths (a static batch then runs until its longest output is done);
 the default equal lengths are static batching's best case.
 ``small_batch_gemm`` names what runs the engine's 2-128-row fp32 GEMMs (kernels.cpu_gemm); ``TWINSERVE_NATIVE_GEMM=0``

@@ -1,4 +1,4 @@
-"""Exact greedy tokens through an int8 screen of the LM head (cpu_screen.c; AVX-512 VNNI CPUs, fp32 models).
+"""Exact greedy tokens through an int8 screen of the LM head (cpu_screen.c; x86 CPUs with AVX2, fp32 models).
 
 A greedy decode needs each row's argmax over the vocabulary, not its logits. ``GreedyScreen`` computes every logit
 approximately from an int8 copy of the LM head with a rigorous bound on the error, and recomputes in fp32 only
@@ -9,7 +9,8 @@ by more than the bound, up to all of them when it does not).
 
 Why: the LM head is the largest weight a small model's decode step reads (32000 x 512 fp32 is 65.5 MB against
 47 MB for all layers of the 44M Llama) and at batch 32 the largest GEMM. The int8 copy is a quarter of those bytes
-and VNNI does four times the multiply-adds per instruction. Measured in docs/cpu_notes.md.
+and int8 multiply-adds run at 2-4x the fp32 rate (AVX-512 VNNI: 64 per instruction; AVX2: 32 per two). Measured
+in docs/cpu_notes.md.
 
 The cost is memory: the int8 panels (N K bytes) and a row-major fp32 copy of the weight when the model's own is
 not row-major (the recomputed rows are read one by one).
@@ -32,7 +33,7 @@ PACK_ROWS = 4096  # weight rows quantised at a time (float64 temporaries)
 
 @functools.cache
 def screen_library() -> ctypes.CDLL | None:
-    """The native library when its CPU runs the screen (AVX-512 VNNI), else None."""
+    """The native library when its build runs the screen (AVX-512 VNNI or AVX2), else None."""
     lib = native_library()
     return lib if lib is not None and lib.tw_screen_available() else None
 
@@ -88,8 +89,8 @@ class ScreenWeights:
 
 
 class GreedyScreen:
-    """The screen of one LM head: ``screen(x, weight)`` -> greedy tokens, or None where it does not apply (no VNNI
-    CPU or native library, not fp32 CPU tensors, K above MAX_FEATURES, a weight that is not finite, a row it
+    """The screen of one LM head: ``screen(x, weight)`` -> greedy tokens, or None where it does not apply (no AVX2
+    or native library, not fp32 CPU tensors, K above MAX_FEATURES, a weight that is not finite, a row it
     cannot screen). Packs the weight on first use (or ``prepack``) and again when it changes (its data pointer or
     version counter)."""
 

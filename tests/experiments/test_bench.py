@@ -74,8 +74,8 @@ def test_the_screened_floor_reads_the_int8_lm_head():
     from experiments.bench_engine import _step_floor
     from sim.cost.roofline import RooflineCostModel
 
-    spec = ModelSpec(name="m", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408,
-                     vocab_size=32000, dtype="float32")
+    spec = ModelSpec(name="m", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
+                     intermediate_size=1408, vocab_size=32000, dtype="float32")
     roof = RooflineCostModel(spec, HardwareSpec("cpu", peak_flops=1e11, mem_bw=2e10, mem_bytes=1e9), 1.0, 1.0, 0.0)
     decode = StepFeatures(num_seqs=8, num_batched_tokens=8, num_decode_seqs=8, kv_tokens_read=8 * 130,
                           max_context_len=130)

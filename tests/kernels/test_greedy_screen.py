@@ -1,7 +1,8 @@
-"""The int8 screen of the LM head (kernels.greedy_screen, cpu_screen.c): its tokens are the argmax of the native
-GEMM's fp32 logits for any shapes and scales (hypothesis), on exact ties, and where the int8 approximation ranks
-the true winner far below another token; its error bound holds (a float64 formula against the fp32 logits) and is
-the one the C code applies (candidate counts); rows it cannot screen and weights it cannot pack fall back (None)."""
+"""The int8 screen of the LM head (kernels.greedy_screen, cpu_screen.c), in this CPU's build and in the AVX2 build
+(7-bit x, VPMADDUBSW) where the CPU runs it: its tokens are the argmax of the native GEMM's fp32 logits for any
+shapes and scales (hypothesis), on exact ties, and where the int8 approximation ranks the true winner far below
+another token; its error bound holds (a float64 formula against the fp32 logits) and is the one the C code applies
+(candidate counts); rows it cannot screen and weights it cannot pack fall back (None)."""
 
 import numpy as np
 import pytest
@@ -9,12 +10,35 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import cpu_native
 from kernels.cpu_gemm import native_linear, pack_weight
 from kernels.cpu_native import argmax_rows, native_library
 from kernels.greedy_screen import MAX_FEATURES, GreedyScreen, ScreenWeights, screen_library
 
 needs_screen = pytest.mark.skipif(screen_library() is None,
-                                  reason="the screen needs the native library on an AVX-512 VNNI CPU")
+                                  reason="the screen needs the native library on an AVX2 or AVX-512 VNNI CPU")
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def lib(request, tmp_path_factory):
+    """The screen's library: this CPU's build, and the 256-bit one (-mavx2 -mfma: what a CPU without AVX-512 VNNI
+    builds), compiled explicitly so an AVX-512 machine tests it too."""
+    if request.param == "native":
+        if screen_library() is None:
+            pytest.skip("this CPU's build has no screen (no AVX2 or AVX-512 VNNI, or no native library)")
+        return screen_library()
+    if not {"avx2", "fma"} <= set(cpu_native._cpu_id().split()):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cpu_native, "CFLAGS", ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"))
+        m.setenv("TWINSERVE_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        native_library.cache_clear()
+        try:
+            avx2 = native_library()
+        finally:
+            native_library.cache_clear()
+    assert avx2.tw_screen_panel_width() == 16 and avx2.tw_screen_x_max() == 63
+    return avx2
 
 
 def full_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -23,30 +47,28 @@ def full_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return argmax_rows(native_linear(x, pack_weight(w, lib), w.shape[0], None, lib))
 
 
-def screened(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def screened(x: torch.Tensor, w: torch.Tensor, lib) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.zeros(x.shape[0], dtype=torch.int32)
-    tokens = GreedyScreen()(x, w, counts)
+    tokens = ScreenWeights(w, lib).argmax(x, lib, counts)
     assert tokens is not None
     return tokens, counts
 
 
-@needs_screen
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 20), k=st.integers(1, 300), n=st.integers(1, 200), x_scale=st.sampled_from([1e-3, 1, 1e3]),
        w_scale=st.sampled_from([1e-4, 0.02, 10]), seed=st.integers(0, 2 ** 16), transposed=st.booleans())
-def test_tokens_are_the_fp32_argmax(m, k, n, x_scale, w_scale, seed, transposed):
+def test_tokens_are_the_fp32_argmax(lib, m, k, n, x_scale, w_scale, seed, transposed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * x_scale
     w = torch.randn(n, k, generator=g) * w_scale
     if transposed:  # engine.model keeps CPU weights [in, out]: the screen copies the rows it recomputes
         w = w.t().contiguous().t()
-    tokens, counts = screened(x, w)
+    tokens, counts = screened(x, w, lib)
     assert torch.equal(tokens, full_argmax(x, w))
     assert ((counts >= 1) & (counts <= n)).all()
 
 
-@needs_screen
-def test_near_duplicate_rows_and_exact_ties_take_the_first_maximum():
+def test_near_duplicate_rows_and_exact_ties_take_the_first_maximum(lib):
     """Rows 1 ulp apart and identical rows: every one of them is a candidate, the fp32 logits decide."""
     g = torch.Generator().manual_seed(1)
     base = torch.randn(1, 96, generator=g) * 0.05
@@ -55,14 +77,13 @@ def test_near_duplicate_rows_and_exact_ties_take_the_first_maximum():
     w = torch.cat([torch.randn(100, 96, generator=g) * 0.01, w])
     x = torch.randn(7, 96, generator=g)
     x[0] = 0.0  # all logits +0: the first index
-    tokens, counts = screened(x, w)
+    tokens, counts = screened(x, w, lib)
     assert torch.equal(tokens, full_argmax(x, w))
     assert tokens[0] == 0 and counts[0] == w.shape[0]
 
 
-@needs_screen
 @pytest.mark.parametrize("a_first", [True, False])
-def test_the_winner_survives_when_int8_ranks_it_far_below(a_first):
+def test_the_winner_survives_when_int8_ranks_it_far_below(lib, a_first):
     """Row A's int8 copy rounds every weight down by 0.49 of a step, row B's up: int8 puts B ahead of A by 92% of
     A's error bound (Cauchy-Schwarz is tight here: constant x, constant rounding), yet A's fp32 logit is larger.
     A bound 10% too small would lose A."""
@@ -77,21 +98,21 @@ def test_the_winner_survives_when_int8_ranks_it_far_below(a_first):
     w = torch.cat([filler, a[None], b[None]] if a_first else [filler, b[None], a[None]])
     winner = 40 if a_first else 41
     assert int(full_argmax(x[:1], w)) == winner  # A is the fp32 argmax
-    tokens, counts = screened(x, w)
+    tokens, counts = screened(x, w, lib)
     assert tokens.tolist() == [winner, winner]
     assert (counts == 2).all()  # only A and B: the bound is tight enough to drop every filler row
 
 
-def _quantised_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cpu_screen.c's quantisation of x (float32 arithmetic): scales [M] and integers [M, K]."""
+def _quantised_rows(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """cpu_screen.c's quantisation of x to integers in [-levels, levels] (float32 arithmetic): scales [M] and the
+    integers [M, K]."""
     amax = np.abs(x).max(axis=1).astype(np.float32)
-    s = amax / np.float32(127)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    return s, np.clip(np.rint(x * inv[:, None]), -127, 127)
+    s = amax / np.float32(levels)
+    inv = np.where(amax > 0, np.float32(levels) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return s, np.clip(np.rint(x * inv[:, None]), -levels, levels)
 
 
-@needs_screen
-def test_error_bound_holds_and_is_the_one_the_kernel_applies():
+def test_error_bound_holds_and_is_the_one_the_kernel_applies(lib):
     """With the packed weight's own int8 copy, per-row scales and norms: the float64 approximation is within the
     bound of the native GEMM's fp32 logits for every token, and the kernel recomputes as many tokens as that bound
     leaves (up to a token at the rounding edge)."""
@@ -101,10 +122,10 @@ def test_error_bound_holds_and_is_the_one_the_kernel_applies():
     x[3] *= 1e-3
     x[4, 7] = 40.0  # an outlier channel: coarse int8 steps for that row
     w = torch.randn(n, k, generator=g) * 0.02
-    packed = ScreenWeights(w, screen_library())
+    packed = ScreenWeights(w, lib)
     qw = packed.panels.to(torch.float64).transpose(1, 2).reshape(-1, packed.panels.shape[1] * 4)[:n, :k]
     sw, dw, w2 = (t[:n].double().numpy() for t in (packed.scale, packed.dw, packed.w2))
-    sx, qx = _quantised_rows(x.numpy())
+    sx, qx = _quantised_rows(x.numpy(), lib.tw_screen_x_max())
     x64 = x.double().numpy()
     dx = x64 - sx.astype(np.float64)[:, None] * qx
     approx = sx.astype(np.float64)[:, None] * sw[None] * (qx @ qw.numpy().T)
@@ -114,7 +135,7 @@ def test_error_bound_holds_and_is_the_one_the_kernel_applies():
         + (np.linalg.norm(dx, axis=1) + (gamma + 2.0 ** -22) * xn)[:, None] * w2[None]
     exact = native_linear(x, pack_weight(w, native_library()), n, None, native_library()).double().numpy()
     assert (np.abs(exact - approx) <= bound).all()
-    _, counts = screened(x, w)
+    _, counts = screened(x, w, lib)
     expected = (approx + bound >= (approx - bound).max(axis=1, keepdims=True)).sum(axis=1)
     assert np.abs(counts.numpy() - expected).max() <= 1
     assert expected.max() < n // 10  # a real screen, not everything
@@ -142,7 +163,7 @@ def test_repacks_when_the_weight_changes_in_place():
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(300, 64, generator=g), torch.randn(4, 64, generator=g)
     screen = GreedyScreen()
-    assert torch.equal(screened(x, w)[0], full_argmax(x, w))
+    assert torch.equal(screen(x, w), full_argmax(x, w))
     first = screen.prepack(w)
     w.mul_(-1)
     assert screen.prepack(w) is not first
@@ -165,7 +186,7 @@ def test_tokens_do_not_depend_on_the_batch_or_threads():
 
 
 def test_without_the_screen_library_it_declines(monkeypatch):
-    """No VNNI CPU (or no native library): the screen gives None, the engine computes the logits."""
+    """No screen in the build (no AVX2, no native library): None, and the engine computes the logits."""
     from kernels import greedy_screen
 
     monkeypatch.setattr(greedy_screen, "screen_library", lambda: None)
