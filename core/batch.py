@@ -69,6 +69,13 @@ class StepFeatures:
     max_context_len: int = 0
     num_draft_tokens: int = 0
 
+    @property
+    def kind(self) -> str:
+        """prefill | decode | mixed (prefill chunks and decodes) | verify (decodes with draft tokens) | empty."""
+        pre, dec = self.num_prefill_tokens > 0, self.num_decode_seqs > 0
+        return ("mixed" if pre and dec else "prefill" if pre else "empty" if not dec
+                else "verify" if self.num_draft_tokens else "decode")
+
     @classmethod
     def of(cls, chunks: list[Chunk]) -> StepFeatures:
         n_pre = t_pre = n_dec = pairs = kv = pre_kv = max_ctx = tokens = drafts = 0

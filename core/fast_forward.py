@@ -139,8 +139,10 @@ class DecodeRun:
         self._until = 0  # the next advance goes through _horizon
 
     def close(self) -> None:
-        """The run is over and its tokens synced: its step log entry shrinks to its final size."""
+        """The run is over and its tokens synced: its step log entry shrinks to its final size; the executor learns
+        how many of its priced steps were taken."""
         self.record.close()
+        self.executor.decode_run_done(self.m)
 
     def _horizon(self, m: int, now: float) -> bool:
         """Step m is where the run may end, allocate KV or run out of priced steps: False if it ends, else the

@@ -310,6 +310,11 @@ class Executor(Protocol):
         ``predicts_decodes``; durations must equal ``execute``'s for those batches bit for bit."""
         ...
 
+    def decode_run_done(self, num_steps: int) -> None:
+        """The decode run (the ``decode_run`` calls since the last ``execute``) ended after starting ``num_steps``
+        of the steps priced: they were taken, the rest never run (a cost model with step noise counts steps)."""
+        ...
+
     def release(self, request_id: str) -> None:
         """A request reached a terminal status: drop whatever the executor kept for it."""
 
@@ -325,6 +330,9 @@ class BaseExecutor:
 
     def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
         raise NotImplementedError(f"{type(self).__name__} does not predict decode steps (predicts_decodes is False)")
+
+    def decode_run_done(self, num_steps: int) -> None:
+        pass
 
     def release(self, request_id: str) -> None:
         pass

@@ -386,9 +386,13 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
     name = cfg.backend.name
     if name == "sim":
         from sim.executor import CostModelExecutor
+        from sim.noise import StepNoise
 
         cost = instantiate_group(cfg.cost_model, "cost_model")
-        return [CostModelExecutor(cost, speculation=sim_speculation(cfg, r.index), host_link=host_link(cfg, spec, r))
+        noise = step_noise(cfg)  # seeded per replica: replicas are machines of their own
+        noise_seed = check_int(cfg.backend.get("noise_seed", cfg.seed), "backend.noise_seed", 0)
+        return [CostModelExecutor(cost, speculation=sim_speculation(cfg, r.index), host_link=host_link(cfg, spec, r),
+                                  noise=noise and StepNoise.from_mapping(noise, seed=[noise_seed, r.index]))
                 for r in replicas]
     if name == "engine":
         from engine.executor import EngineOptions, build_engine_executors
@@ -531,6 +535,24 @@ def frontend_delay(cfg: DictConfig) -> float:
 
         return calibrated_frontend_delay(cfg.cost_model.path)
     return check_float(delay, "frontend_delay_s")
+
+
+def step_noise(cfg: DictConfig) -> dict[str, Any] | None:
+    """``backend.step_noise``: the step-time noise section a calibration file records (``sim.noise``); None without
+    one, or when it is off."""
+    if not check_bool(cfg.backend.get("step_noise", False), "backend.step_noise") \
+            or cfg.cost_model.get("_target_") != "sim.calibration.load_calibration":
+        return None
+    from sim.calibration import calibrated_step_noise
+    from sim.noise import StepNoise
+
+    record = calibrated_step_noise(cfg.cost_model.path)
+    if record is not None:
+        try:
+            StepNoise.from_mapping(record)
+        except ValueError as e:
+            raise ValueError(f"cost_model.path={cfg.cost_model.path!r}: {e} (or set backend.step_noise=false)") from e
+    return record
 
 
 def progress_bar(setting: Any) -> bool:

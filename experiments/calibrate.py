@@ -38,6 +38,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from core.batch import Batch, StepFeatures
+from core.checks import check_bool
 from core.request import Status
 from core.shapes import ShapedBatch, admit_chunk, shape_blocks
 from experiments.build import (
@@ -65,6 +66,7 @@ from sim.calibration import (
     steps_from_csv,
     write_calibration,
 )
+from sim.noise import record_step_noise
 
 log = logging.getLogger(__name__)
 
@@ -304,8 +306,8 @@ def run_steps(sources: Sequence[StepSource]) -> tuple[list[StepFeatures], np.nda
 
 
 def group_of(f: StepFeatures) -> str:
-    pre, dec = f.num_prefill_tokens > 0, f.num_decode_seqs > 0
-    return "mixed" if pre and dec else "prefill" if pre else "verify" if f.num_draft_tokens else "decode"
+    """``StepFeatures.kind``, an empty step counted as a decode (the calibration data's groups)."""
+    return "decode" if f.kind == "empty" else f.kind
 
 
 def draft_length(cfg: DictConfig) -> int:
@@ -485,11 +487,10 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
         durations += d
         labels += g
     sources = [*(c.steps or []), *extra_steps]
-    if sources:
-        f, d = run_steps(sources)
-        features += f
-        durations += d.tolist()
-        labels += [f"run:{group_of(x)}" for x in f]
+    run_f, run_d = run_steps(sources) if sources else ([], np.empty(0))
+    features += run_f
+    durations += run_d.tolist()
+    labels += [f"run:{group_of(x)}" for x in run_f]
     samples, request_info = request_level_samples(c)
     if not features and not samples:
         raise ValueError("calibrate: nothing to fit; set calibrate.profile=true, calibrate.profile_from=<profile.csv>, "
@@ -511,15 +512,24 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     if rfit is None:
         models, reports = fit_all(cfg, features, y, labels, list(c.fits), weights, target)
     spec, hw = model_spec(cfg), hardware_spec(cfg)
+    source_text = ", ".join(f"{s[0]} (first {s[1]} steps)" if isinstance(s, tuple) else str(s) for s in sources)
     note = (f"model={spec.name} hardware={hw.name} backend={cfg.backend.name}; {len(features)} measurements "
-            f"(profile: {paths.get('profile')}, runs: {[str(s) for s in sources]}"
+            f"(profile: {paths.get('profile')}, runs: [{source_text}]"
             + (f", request-level runs: {request_info['runs']})\nIsolated TTFTs carry a further "
                f"{rfit.request_overhead_s * 1e3:.3g} ms per request (HTTP, tokenisation): frontend_delay_s, "
                "which a simulation with this file adds before each request reaches a replica" if rfit else ")"))
+    noise: dict[str, Any] = {}
+    if run_f and rfit is None and check_bool(c.get("step_noise", True), "calibrate.step_noise"):
+        # the runs' steps in their order: how the machine's time varied around each model (sim.noise)
+        block = c.get("noise_block_steps")
+        for name, model in models.items():
+            noise[name] = record_step_noise(run_f, run_d, predict(model, run_f), block, source_text)
     for name, model in models.items():
         paths[name] = write_calibration(out / f"{name}.yaml", model, reports[name], note, (spec.name, hw.name),
-                                        rfit.request_overhead_s if rfit else None)
+                                        rfit.request_overhead_s if rfit else None, noise.get(name))
     summary: dict[str, Any] = {name: rep.to_dict() for name, rep in reports.items()}
+    summary["step_noise"] = {name: {k: v for k, v in rec.items() if k != "z"} if rec else None
+                             for name, rec in noise.items()}
     summary.update(model=spec.name, hardware=hw.name, backend=cfg.backend.name, num_measurements=len(features),
                    sources=[str(s) for s in sources], profile=str(paths.get("profile")),
                    engine_clock=engine_clock(cfg) if cfg.backend.name == "engine" else None)

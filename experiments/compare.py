@@ -42,6 +42,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from core.checks import check_int
 from core.output import has_table, read_metrics, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
@@ -116,6 +117,46 @@ def step_errors(cost_model: Any, run_dir: str | Path) -> tuple[FitReport, dict[s
     p = predict(cost_model, features)
     lab = np.asarray(labels, dtype=object)
     return report(cost_model, features, y, labels), {g: (y[lab == g], p[lab == g]) for g in sorted(set(labels))}
+
+
+def median_metrics(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The median of each number across runs' metrics (nested mappings, as metrics.json); where a value is not a
+    number in every run (None, text), the first run's. A median, not a mean: a tail percentile that sits at a gap of
+    its distribution (ITL p99 between the last decodes and the first mixed steps) jumps across it in some draws."""
+    first = runs[0]
+    out: dict[str, Any] = {}
+    for k, v in first.items():
+        vals = [r.get(k) for r in runs]
+        if isinstance(v, Mapping) and all(isinstance(x, Mapping) for x in vals):
+            out[k] = median_metrics(vals)
+        elif all(isinstance(x, int | float) and not isinstance(x, bool) for x in vals):
+            out[k] = float(np.median(vals))
+        else:
+            out[k] = v
+    return out
+
+
+def simulate(sim_cfg: DictConfig, out_dir: Path, draws: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The calibrated simulation into ``out_dir``, and its metrics to compare. With step noise (``sim.noise``) a
+    simulation is one draw of the machine's variability, as the measured run is one: a percentile predicted from
+    one draw scatters by several percent around the simulator's expectation (a TPOT p90 over 80 requests by
+    +-15%), so the metrics are the median over ``draws`` noise seeds (``backend.noise_seed`` + 0, 1, ...; the
+    first is ``out_dir``'s run), and the second value gives each draw's headline numbers (None: no noise)."""
+    import tempfile
+
+    from experiments.build import step_noise
+
+    metrics = run(sim_cfg, out_dir)
+    if step_noise(sim_cfg) is None or draws <= 1:
+        return metrics, None
+    seed = int(sim_cfg.backend.get("noise_seed", sim_cfg.seed))
+    runs = [metrics]
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(1, draws):
+            cfg_k = apply_overrides(sim_cfg, [f"backend.noise_seed={seed + k}", "output.plots=false"])
+            runs.append(run(cfg_k, Path(tmp) / str(k)))
+    return median_metrics(runs), {"noise_seeds": list(range(seed, seed + draws)),
+                                "headline": [_headline(m) for m in runs]}
 
 
 # ---- the whole comparison -----------------------------------------------------------------------------------
@@ -210,9 +251,10 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
         drafts += ["spec.draft_cost=included"] if cfg.spec.method == "draft" else []
         sim_cfg = apply_overrides(sim_cfg, drafts)
         summary["draft_acceptance_alpha"] = engine["draft_acceptance_alpha"]
-    sim = run(sim_cfg, out / "sim")
+    draws = check_int(c.get("noise_draws", 1), "compare.noise_draws", 1)
+    sim, summary["sim_draws"] = simulate(sim_cfg, out / "sim", draws)
     rows = percentile_errors(engine, sim, list(c.metrics), list(c.percentiles))
-    summary["errors"] = rows
+    summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "errors.md").write_text(errors_markdown(rows))
     steps_report, scatter = step_errors(cost_model, out / "engine")
@@ -224,7 +266,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     if plots_too:
         from experiments import plots
 
-        runs = {"engine": plots.load_run(out / "engine"), "sim (calibrated)": plots.load_run(out / "sim")}
+        sim_label = "sim (calibrated, one noise draw)" if summary["sim_draws"] else "sim (calibrated)"
+        runs = {"engine": plots.load_run(out / "engine"), sim_label: plots.load_run(out / "sim")}
         summary["plots"] = {
             "latency_cdfs": str(plots.latency_cdfs(runs, out / "latency_cdfs.png", "held-out workload: engine vs sim")),
             "step_scatter": str(plots.predicted_vs_measured(
@@ -248,9 +291,10 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     else:
         raise ValueError("compare.measured needs compare.calibration=<linear.yaml> or calibrate.runs=[...] "
                          "(request-level profiling runs against the same server)")
-    sim = run(with_calibration(cfg, cal_path), out / "sim")
+    sim, summary["sim_draws"] = simulate(with_calibration(cfg, cal_path), out / "sim",
+                                         check_int(c.get("noise_draws", 1), "compare.noise_draws", 1))
     rows = percentile_errors(measured, sim, list(c.metrics), list(c.percentiles))
-    summary["errors"] = rows
+    summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "errors.md").write_text(errors_markdown(rows, title="sim vs measured", reference="measured"))
     summary["metrics"] = {"measured": _headline(measured), "sim": _headline(sim)}
@@ -258,8 +302,9 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     if plots_too:
         from experiments import plots
 
+        sim_label = "sim (calibrated, one noise draw)" if summary["sim_draws"] else "sim (calibrated)"
         runs = {str(measured.get("backend") or "measured"): plots.load_run(out / "engine"),
-                "sim (calibrated)": plots.load_run(out / "sim")}
+                sim_label: plots.load_run(out / "sim")}
         summary["plots"]["latency_cdfs"] = str(plots.latency_cdfs(runs, out / "latency_cdfs.png",
                                                                   "held-out workload: measured vs sim"))
     return summary
@@ -289,6 +334,8 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         profile_csv = run_profile(with_backend(cfg, "engine"), out / "calibration")
         cfg = apply_overrides(cfg, [f"calibrate.profile_from={profile_csv}"])
     summary = evaluate(cfg, out)
+    summary.pop("sim_metrics")  # the simulator's (median) metrics: its headline is in summary["metrics"]
+    draws = check_int(c.get("noise_draws", 1), "compare.noise_draws", 1)
     if c.rates:
         if OmegaConf.select(cfg, c.rate_key) is None:
             raise ValueError(f"compare.rate_key={c.rate_key!r} is not a key of this workload "
@@ -299,12 +346,12 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
             point_cfg = apply_overrides(cfg, [*base, f"{c.rate_key}={r!r}"])
             d = out / "rates" / f"{r:g}"
             if "engine" in c.rate_backends:
-                evaluate(point_cfg, d, plots_too=False)
-                for label in ("engine", "sim"):
-                    curves.setdefault(label, {})[r] = read_metrics(d / label / "metrics.json")
+                point = evaluate(point_cfg, d, plots_too=False)
+                curves.setdefault("engine", {})[r] = read_metrics(d / "engine" / "metrics.json")
+                curves.setdefault("sim", {})[r] = point["sim_metrics"]
             else:
-                curves.setdefault("sim", {})[r] = run(with_calibration(point_cfg, summary["calibration"]["path"]),
-                                                      d / "sim")
+                curves.setdefault("sim", {})[r] = simulate(
+                    with_calibration(point_cfg, summary["calibration"]["path"]), d / "sim", draws)[0]
         (out / "rates.json").write_text(json.dumps({k: {str(r): m for r, m in v.items()} for k, v in curves.items()},
                                                    indent=2, sort_keys=True) + "\n")
         from experiments import plots

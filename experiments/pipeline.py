@@ -87,6 +87,11 @@ def summary_markdown(cfg: DictConfig, main: Mapping[str, Any], extra: Mapping[st
     if cv:
         lines.append(f"- linear, 5-fold cross-validated on the calibration data: median |rel. error| "
                      f"{cv['median_rel_error']:.1%}, p90 {cv['p90_rel_error']:.1%}")
+    noise = (main.get("step_noise") or {}).get(Path(cal["path"]).stem)
+    if noise:
+        lines.append(f"- step noise (`sim/noise.py`): the training steps' log(measured / predicted) has sd "
+                     f"{noise['sigma_all']:.3f} ({', '.join(f'{k} {v:.3f}' for k, v in noise['sigma'].items())}), "
+                     f"replayed in blocks of {noise['block_steps']} steps")
     lines += [f"- cost model file: `{cal['path']}` (use: `python -m experiments.run cost_model=calibrated "
               f"cost_model.path={cal['path']}`)", ""]
     logic = main.get("logic") or {}
@@ -102,6 +107,11 @@ def summary_markdown(cfg: DictConfig, main: Mapping[str, Any], extra: Mapping[st
                   f"|rel. error| {steps['median_rel_error']:.1%}, p90 {steps['p90_rel_error']:.1%} "
                   f"({steps['num_rows']} steps). TTFT/TPOT p50/p90: {_within(s['errors'], 0.15)}.", "",
                   errors_markdown(s["errors"], f"{name}: sim vs engine (percentiles: nearest rank)")]
+        draws = s.get("sim_draws")
+        if draws:
+            p90 = [h["tpot_p90"] for h in draws["headline"] if h["tpot_p90"] is not None]
+            lines += [f"The sim column is the median of {len(draws['headline'])} step-noise draws; one draw's TPOT p90 "
+                      + (f"ranged {min(p90) * 1e3:.3g}-{max(p90) * 1e3:.3g} ms." if p90 else "was not defined."), ""]
         bias = s.get("step_bias")
         if bias:
             lines += ["Median signed step error per engine run (the training run's is the fit's own; the held-out "
@@ -124,7 +134,7 @@ def pipeline(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     main = compare(cfg, out / "heldout")
     cal_dir = Path(main["calibration"]["path"]).parent
     fit = json.loads((cal_dir / "fit_report.json").read_text()) if main["calibration"]["fitted_here"] else {}
-    main["linear_cv"] = fit.get("linear_cv")
+    main["linear_cv"], main["step_noise"] = fit.get("linear_cv"), fit.get("step_noise")
     # more held-out workloads: the same profile and training workload; with compare.calibration set, that file
     reuse = [f"calibrate.profile_from={cal_dir / 'profile.csv'}"] if (cal_dir / "profile.csv").is_file() else []
     extra = {}

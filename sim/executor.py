@@ -1,4 +1,4 @@
-"""The simulator's executor: step time from a cost model, placeholder tokens."""
+"""The simulator's executor: step time from a cost model (times a calibration's step noise), placeholder tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from core.fast_forward import decode_features
 from core.host_tier import HostLink
 from core.interfaces import BaseExecutor, DecodeRun, StepOutput
 from sim.cost.base import CostModel, DecodeCostModel
+from sim.noise import StepNoise
 from sim.speculative import SpeculativeModel
 
 
@@ -17,10 +18,15 @@ class CostModelExecutor(BaseExecutor):
     decoding): a cost model is a pure function of the step's features, and every sampled token is ``token_id``. A
     cost model that declares ``sim.cost.base.DecodeCostModel`` prices the run vectorised; any other is called once
     per step (still exact).
+
+    With ``noise`` (``sim.noise.StepNoise``) the forward pass of the replica's i-th step takes the cost model's time
+    times the noise's i-th factor for its kind. Steps are counted as they run: ``execute`` takes one, a decode run
+    prices ahead and ``decode_run_done`` takes the steps it started, so fast-forward gives every step the factor it
+    gets step by step.
     """
 
     def __init__(self, cost_model: CostModel, token_id: int = 0, speculation: SpeculativeModel | None = None,
-                 host_link: HostLink | None = None) -> None:
+                 host_link: HostLink | None = None, noise: StepNoise | None = None) -> None:
         self.cost_model = cost_model
         self.token_id = token_id  # simulated outputs carry no content; EOS never fires in the simulator
         self._vectorised = isinstance(cost_model, DecodeCostModel)
@@ -30,9 +36,16 @@ class CostModelExecutor(BaseExecutor):
         # host KV tier: a step's block copies run before its forward pass, serialised with it (core.host_tier)
         self.host_link = host_link
         self.copy_s = 0.0  # priced time of the steps' block copies (part of their step durations)
+        self.noise = noise
+        self._step = 0  # steps taken so far (the index of the next step's noise factor)
+        self._priced = 0  # steps the decode run in progress has priced ahead (from _step on)
 
     def execute(self, batch: Batch) -> StepOutput:
         duration = self.cost_model.step_time(batch.features)
+        if self.noise is not None:
+            duration *= self.noise.factor(self._step, batch.features.kind)
+        self._step += 1
+        self._priced = 0  # a run that priced steps but never began (Replica.start_decode_run) took none
         if batch.copies:
             if self.host_link is None:
                 raise RuntimeError("the batch copies KV blocks to or from a host tier; the simulator has no host link")
@@ -54,4 +67,12 @@ class CostModelExecutor(BaseExecutor):
             durations = cm.decode_step_times(first, num_steps)
         else:
             durations = [cm.step_time(decode_features(first, m)) for m in range(num_steps)]
+        if self.noise is not None:
+            factors = self.noise.factors(self._step + self._priced, num_steps, "decode")
+            durations = [d * f for d, f in zip(durations, factors.tolist(), strict=True)]
+        self._priced += num_steps
         return DecodeRun(durations, self.token_id)
+
+    def decode_run_done(self, num_steps: int) -> None:
+        self._step += num_steps
+        self._priced = 0

@@ -1,7 +1,8 @@
 """Decode fast-forward (core.fast_forward): runs with and without it write byte-identical files, over random
-workloads, every scheduler, eviction policy and router, prefix caching on and off, small KV pools (preemption)
-and request timeouts; the vectorised decode pricing equals the scalar cost model bit for bit; fast-forward really
-happens where it may and never where a scheduler or executor did not opt in; the heap clock orders events as SimPy.
+workloads, every scheduler, eviction policy and router, prefix caching on and off, small KV pools (preemption),
+request timeouts and step noise (sim.noise); the vectorised decode pricing equals the scalar cost model bit for
+bit; fast-forward really happens where it may and never where a scheduler or executor did not opt in; the heap
+clock orders events as SimPy.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import filecmp
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, Phase, given, settings
@@ -29,10 +31,12 @@ from experiments.runs import run
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
+from sim.calibration import write_calibration
 from sim.clock import simulate
 from sim.cost.linear import LinearCostModel
 from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
+from sim.noise import StepNoise, record_step_noise
 from tests.helpers import ListWorkload
 
 OPTIONS = {g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml")) for g in ("scheduler", "eviction", "router")}
@@ -97,7 +101,24 @@ def random_overrides(draw_or_rng) -> list[str]:
 @given(seed=st.integers(0, 2**32 - 1))
 def test_fast_forward_writes_identical_files(tmp_path_factory, seed):
     rng = random.Random(seed)
-    run_both(tmp_path_factory.mktemp("ff"), random_overrides(rng))
+    overrides = random_overrides(rng)
+    if rng.random() < 0.4:  # a calibrated cost model with step noise: each step's factor by its index
+        overrides = [o for o in overrides if not o.startswith("cost_model=")]
+        overrides += ["cost_model=calibrated", f"cost_model.path={noisy_calibration(tmp_path_factory)}"]
+    run_both(tmp_path_factory.mktemp("ff"), overrides)
+
+
+def noisy_calibration(tmp_path_factory) -> Path:
+    """A linear cost model with strong, long-memory step noise (sigma 0.4, blocks of 7 steps)."""
+    path = tmp_path_factory.getbasetemp() / "noisy_calibration.yaml"
+    if not path.is_file():
+        rng = np.random.default_rng(0)
+        feats = [StepFeatures(1, 64, 1, 64, 0, 2080, 0, 64, 64), StepFeatures(2, 2, 0, 0, 2, 0, 300, 0, 150)] * 200
+        z = np.repeat(rng.standard_normal(80), 5)
+        rec = record_step_noise(feats, np.exp(0.4 * z), np.ones(len(z)), block_steps=7)
+        write_calibration(path, LinearCostModel(c0_s=2e-3, per_prefill_token_s=5e-5, per_decode_seq_s=3e-4,
+                                                per_kv_token_read_s=1e-6), step_noise=rec)
+    return path
 
 
 @pytest.mark.slow
@@ -139,13 +160,24 @@ def outcome(res) -> str:
                    s.first_token_s, s.finish_s, s.num_preemptions, s.reason) for s in res.states], res.end_s))
 
 
-def test_fast_forward_happens_on_a_decode_heavy_workload():
-    fast = loop_for(decode_heavy())
+@pytest.mark.parametrize("noisy", [False, True])
+def test_fast_forward_happens_on_a_decode_heavy_workload(noisy):
+    """With step noise too: every step's duration differs from the model's, fast-forwarded or not, identically."""
+    z = np.random.default_rng(1).standard_normal(500)
+
+    def make():
+        noise = StepNoise(z, {"decode": 0.3}, 0.3, 11, seed=4) if noisy else None
+        return CostModelExecutor(LinearCostModel(c0_s=0.01, per_kv_token_read_s=1e-6), noise=noise)
+
+    fast = loop_for(decode_heavy(), executor_factory=make)
     res = simulate(fast)
     assert fast.fast_forwarded_steps > 0.9 * len(res.steps)
-    slow = loop_for(decode_heavy(), fast_forward=False)
+    slow = loop_for(decode_heavy(), executor_factory=make, fast_forward=False)
     assert outcome(simulate(slow)) == outcome(res)
     assert slow.fast_forwarded_steps == 0
+    plain = simulate(loop_for(decode_heavy()))
+    changed = sum(a.row()[2] != b.row()[2] for a, b in zip(res.steps, plain.steps, strict=False))
+    assert (changed > 0.9 * len(res.steps)) if noisy else changed == 0
 
 
 class UndeclaredSarathi:
