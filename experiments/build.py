@@ -392,7 +392,7 @@ def build_executors(cfg: DictConfig, spec: ModelSpec, replicas: list[Replica]) -
         noise = step_noise(cfg)  # seeded per replica: replicas are machines of their own
         noise_seed = check_int(cfg.backend.get("noise_seed", cfg.seed), "backend.noise_seed", 0)
         return [CostModelExecutor(cost, speculation=sim_speculation(cfg, r.index), host_link=host_link(cfg, spec, r),
-                                  noise=noise and StepNoise.from_mapping(noise, seed=[noise_seed, r.index]))
+                                  noise=None if noise is None else StepNoise.from_mapping(noise, [noise_seed, r.index]))
                 for r in replicas]
     if name == "engine":
         from engine.executor import EngineOptions, build_engine_executors
