@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from core.batch import Batch, Chunk, StepFeatures
 from core.fast_forward import decode_features
-from experiments.build import CONF_DIR
+from experiments.build import CONF_DIR, build_executors, build_replicas, model_spec
 from experiments.calibrate import calibrate
 from experiments.compare import median_metrics
 from experiments.runs import run
@@ -233,3 +233,18 @@ def test_a_long_run_keeps_only_recent_chunks():
     assert len(noise._z) <= 2 and all(len(c) <= 2 for c in noise._factors.values())
     with pytest.raises(ValueError, match="was forgotten"):
         noise.factors(0, 1)
+
+
+def test_each_replica_draws_its_own_noise(tmp_path):
+    """Replicas are machines of their own: seeded [noise_seed, replica]; another noise_seed draws anew."""
+    path = noisy_file(tmp_path / "noisy.yaml", 0.3, 0.9)
+
+    def factors(*overrides):
+        cfg = cfg_with("cost_model=calibrated", f"cost_model.path={path}", "replicas=2", *overrides)
+        spec = model_spec(cfg)
+        return [ex.noise.factors(0, 200, "decode").copy()
+                for ex in build_executors(cfg, spec, build_replicas(cfg, spec, 64))]
+
+    a, b = factors()
+    assert not np.array_equal(a, b)
+    assert np.array_equal(factors()[0], a) and not np.array_equal(factors("backend.noise_seed=1")[0], a)
