@@ -136,16 +136,18 @@ def median_metrics(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def simulate(sim_cfg: DictConfig, out_dir: Path, draws: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def simulate(sim_cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The calibrated simulation into ``out_dir``, and its metrics to compare. With step noise (``sim.noise``) a
     simulation is one draw of the machine's variability, as the measured run is one: a percentile predicted from
     one draw scatters by several percent around the simulator's expectation (a TPOT p90 over 80 requests by
-    +-15%), so the metrics are the median over ``draws`` noise seeds (``backend.noise_seed`` + 0, 1, ...; the
-    first is ``out_dir``'s run), and the second value gives each draw's headline numbers (None: no noise)."""
+    +-15%), so the metrics are the median over ``compare.noise_draws`` noise seeds (``backend.noise_seed`` + 0,
+    1, ...; the first is ``out_dir``'s run), and the second value gives each draw's headline numbers (None: no
+    noise)."""
     import tempfile
 
     from experiments.build import step_noise
 
+    draws = check_int(sim_cfg.compare.get("noise_draws", 1), "compare.noise_draws", 1)
     metrics = run(sim_cfg, out_dir)
     if step_noise(sim_cfg) is None or draws <= 1:
         return metrics, None
@@ -251,8 +253,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
         drafts += ["spec.draft_cost=included"] if cfg.spec.method == "draft" else []
         sim_cfg = apply_overrides(sim_cfg, drafts)
         summary["draft_acceptance_alpha"] = engine["draft_acceptance_alpha"]
-    draws = check_int(c.get("noise_draws", 1), "compare.noise_draws", 1)
-    sim, summary["sim_draws"] = simulate(sim_cfg, out / "sim", draws)
+    sim, summary["sim_draws"] = simulate(sim_cfg, out / "sim")
     rows = percentile_errors(engine, sim, list(c.metrics), list(c.percentiles))
     summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -291,8 +292,7 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     else:
         raise ValueError("compare.measured needs compare.calibration=<linear.yaml> or calibrate.runs=[...] "
                          "(request-level profiling runs against the same server)")
-    sim, summary["sim_draws"] = simulate(with_calibration(cfg, cal_path), out / "sim",
-                                         check_int(c.get("noise_draws", 1), "compare.noise_draws", 1))
+    sim, summary["sim_draws"] = simulate(with_calibration(cfg, cal_path), out / "sim")
     rows = percentile_errors(measured, sim, list(c.metrics), list(c.percentiles))
     summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -335,7 +335,6 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         cfg = apply_overrides(cfg, [f"calibrate.profile_from={profile_csv}"])
     summary = evaluate(cfg, out)
     summary.pop("sim_metrics")  # the simulator's (median) metrics: its headline is in summary["metrics"]
-    draws = check_int(c.get("noise_draws", 1), "compare.noise_draws", 1)
     if c.rates:
         if OmegaConf.select(cfg, c.rate_key) is None:
             raise ValueError(f"compare.rate_key={c.rate_key!r} is not a key of this workload "
@@ -351,7 +350,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 curves.setdefault("sim", {})[r] = point["sim_metrics"]
             else:
                 curves.setdefault("sim", {})[r] = simulate(
-                    with_calibration(point_cfg, summary["calibration"]["path"]), d / "sim", draws)[0]
+                    with_calibration(point_cfg, summary["calibration"]["path"]), d / "sim")[0]
         (out / "rates.json").write_text(json.dumps({k: {str(r): m for r, m in v.items()} for k, v in curves.items()},
                                                    indent=2, sort_keys=True) + "\n")
         from experiments import plots
