@@ -27,7 +27,8 @@ from core.replica import Replica, SchedulerLimits
 from core.specs import HardwareSpec, ModelSpec
 from experiments.targets import check_targets
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (conf/, shared/data beside it)
+CONF_DIR = REPO_ROOT / "conf"
 BACKENDS = ("sim", "engine")
 ENGINE_CLOCKS = ("auto", "wall", "thread")
 LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")

@@ -137,7 +137,7 @@ def fit_linear(features: Sequence[Measurement], durations: Sequence[float] | np.
     ``relative=True`` (default) divides each row by its duration, i.e. minimises squared *relative* error. Step times
     span orders of magnitude (a decode step vs a long prefill) and timing noise is roughly multiplicative, so an
     absolute fit lets the longest steps dictate every coefficient and mispredicts short decode steps by tens of
-    percent. On the published GPU measurements (sim.published, 5-fold) relative weighting had the lower held-out
+    percent. On the published GPU measurements (experiments.published, 5-fold) relative weighting had the lower held-out
     median relative error in 20 of 24 setups (Splitwise: 3-6% vs 11-53%); the rest differ by < 1 point.
     ``weights`` multiply the rows on top. Columns are scaled to unit max before NNLS (they span ~12 orders of
     magnitude) and the solution unscaled after.
@@ -629,7 +629,7 @@ def request_samples_from_run(run_dir: str | Path, prefill_chunk: int | None = No
     for name in ("requests", "tokens"):
         if not has_table(d, name):
             raise ValueError(f"calibrate.runs: no {name}.csv (or .parquet) in {d} (a run directory: "
-                             "experiments.loadgen, .run, .serve; tokens need output.tokens=all)")
+                             "experiments.serving.loadgen, .run, .serve; tokens need output.tokens=all)")
     return request_samples(read_requests(d), read_tokens(d), prefill_chunk, tolerance, source=d.name)
 
 

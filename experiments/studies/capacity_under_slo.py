@@ -1,6 +1,6 @@
 """capacity_under_slo: the highest request rate meeting the SLO for at least ``study.capacity.target`` of requests.
 
-Each variant's capacity comes from ``experiments.capacity.find_capacity`` (bracket by doubling / halving, then
+Each variant's capacity comes from ``experiments.studies.capacity.find_capacity`` (bracket by doubling / halving, then
 bisection); every probe is a full run in ``<variant>/probe_<k>_rate=<r>/`` offering load for
 ``study.capacity.duration_s``, and the search trace goes to ``<variant>/capacity.csv`` / ``capacity.json``.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments import plots
-from experiments.capacity import CapacityResult, find_capacity, write_trace
+from experiments.studies.capacity import CapacityResult, find_capacity, write_trace
 from experiments.studies.common import Report, backends, fmt, run_variants, slug
 
 PANELS = [("slo_attainment", "SLO attainment", 1.0), ("goodput_rps", "goodput (req/s)", 1.0),

@@ -1,7 +1,7 @@
 """What every study shares: the scale switch, running a list of config variants, backends, and summary.md.
 
 A study module defines ``run(cfg, out) -> Report``: it builds override sets, runs them with ``run_variants``
-(each into its own subdirectory, through ``experiments.runs.run``), reads their metrics back from the
+(each into its own subdirectory, through ``experiments.run.run``), reads their metrics back from the
 written ``metrics.json`` files and turns them into figures and a ``Report``. Numbers in a report therefore come
 from the run's own output files, never from values written in advance.
 
@@ -30,7 +30,7 @@ from core.checks import check_choice
 from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR
 from experiments.overrides import apply_overrides
-from experiments.runs import run as run_config
+from experiments.run import run as run_config
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The roofline prices B decodes at context C as op groups: weight reads (linear layers + LM head, once per step) and
 KV reads (B x C x KV bytes per token), each max(FLOPs / compute rate, bytes / bandwidth). ``roofline.csv`` holds
 every shape; KV reads overtake weight reads once B x C x kv_bytes_per_token exceeds the weight bytes. With
-``study.engine=true`` the engine times the engine-scale shapes (``experiments.calibrate.profile``) into
+``study.engine=true`` the engine times the engine-scale shapes (``experiments.calibration.calibrate.profile``) into
 ``measured.csv``, with the roofline fitted to those measurements alongside.
 """
 
@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from core.batch import StepFeatures
 from experiments import plots
 from experiments.build import hardware_spec, instantiate_group, model_spec, num_kv_blocks
-from experiments.calibrate import Shape, profile
+from experiments.calibration.calibrate import Shape, profile
 from experiments.studies.common import Report, backends, fmt, with_section
 from sim.calibration import fit_roofline
 from sim.cost.roofline import RooflineCostModel

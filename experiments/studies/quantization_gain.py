@@ -2,7 +2,7 @@
 
 Same work, engine: delegated to ``experiments.quant_study`` (decode step times measured on the engine and predicted
 by the roofline, KV capacity, quality), written to ``same_work/`` with its own summary.md. Same work, simulator:
-every setting at ``study.reference_rate``. Max load: ``capacity_under_slo``'s search (experiments.capacity) per
+every setting at ``study.reference_rate``. Max load: ``capacity_under_slo``'s search (experiments.studies.capacity) per
 setting.
 """
 
@@ -42,14 +42,14 @@ def quant_study_cfg(overrides: Sequence[str]) -> DictConfig:
 
 
 def same_work_engine(rep: Report, overrides: Sequence[str], out: Path) -> None:
-    from experiments.quant_study import study
+    from experiments.studies.quant_study import study
 
     r = study(quant_study_cfg(overrides), out / "same_work")
     gpu, cap = r["gpu"], r["capacity"]
     speed = {n: rep.number(f"gpu_predicted_speedup.{n}", gpu["batch"]["speedup"][n][0],
                            f"same_work/quant_study.json:gpu.batch.speedup.{n}.0") for n in r["settings"][1:]}
     measured = r["cpu"]["batch"]["speedup_measured"]
-    rep.text("## Same work on the engine (experiments.quant_study)",
+    rep.text("## Same work on the engine (experiments.studies.quant_study)",
              f"Decode at batch {r['cpu']['batch']['shapes'][0][0]}, context {r['cpu']['batch']['shapes'][0][1]}, "
              f"{r['model']} on {r['device']}: measured speed-up "
              + ", ".join(f"{n} {fmt(v[0])}x" for n, v in measured.items())

@@ -157,7 +157,7 @@ def test_a_crash_mid_write_leaves_no_file_that_reads_as_complete(tmp_path, monke
 def test_a_reused_directory_keeps_no_stale_run_file(tmp_path):
     """A second run into the same directory: the first run's files are removed first (a measured run has no
     steps.csv, so an old one would be read as its steps); other files and subdirectories (.hydra) stay."""
-    from experiments.bench_format import write_measured_run
+    from experiments.serving.bench_result import write_measured_run
 
     run_dir = tmp_path / "run"
     _write(tmp_path, "run")

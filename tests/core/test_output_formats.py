@@ -214,12 +214,12 @@ def test_bad_output_options_name_their_key(tmp_path):
         write_run(tmp_path, [], [], {}, tokens="some")
 
 
-# ---- whole runs through experiments.runs.run ----------------------------------------------------------------------
+# ---- whole runs through experiments.run.run ----------------------------------------------------------------------
 def _run(tmp_path, name, *overrides):
     from hydra import compose, initialize_config_dir
 
     from experiments.build import CONF_DIR
-    from experiments.runs import run
+    from experiments.run import run
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["workload.num_requests=30", "output.progress=false", *overrides])

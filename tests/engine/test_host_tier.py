@@ -49,7 +49,7 @@ def _run(tmp_path, name: str, overrides: list[str]) -> tuple[list, dict]:
     from hydra import compose, initialize_config_dir
 
     from experiments.build import CONF_DIR
-    from experiments.runs import run
+    from experiments.run import run
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "backend=engine", "output.plots=false",

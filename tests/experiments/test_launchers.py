@@ -1,7 +1,7 @@
 """Sweeps beyond one machine (the `cluster` extra): a multirun as Ray tasks (on a local Ray the driver starts, and
 on a Ray head node the test starts, through conf/hydra/launcher/ray_cluster.yaml), as submitit jobs (its local
 executor; the Slurm preset's sbatch script), and the Optuna search preset (conf/sweep/search.yaml) finding the
-chunk trade-off study's best token budget. Every launcher leaves the multirun layout experiments.sweep_report
+chunk trade-off study's best token budget. Every launcher leaves the multirun layout experiments.studies.sweep_report
 reads: one directory per job number with its .hydra/overrides.yaml and metrics.json."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 
 from core.output import read_metrics
 from experiments.build import CONF_DIR
-from experiments.sweep_report import collect, report
+from experiments.studies.sweep_report import collect, report
 
 ROOT = CONF_DIR.parent
 SMALL = ["workload.num_requests=6", "output.plots=false", "output.progress=false"]
@@ -226,7 +226,7 @@ def test_search_finds_the_chunk_tradeoff_best_budget(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     from hydra import compose, initialize_config_dir
 
-    from experiments.study import run_study
+    from experiments.studies.study import run_study
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("study", overrides=["study=chunk_tradeoff", "study.scale=tiny", "output.progress=false"])

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from core.output import REQUEST_COLUMNS, read_requests
 from experiments.build import CONF_DIR, build_loop
-from experiments.runs import run
+from experiments.run import run
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["output.plots=false", "output.progress=false"]
@@ -99,7 +99,7 @@ def test_pd_study_goodput_is_read_from_its_runs(tmp_path):
 
     import pandas as pd
 
-    from tests.experiments.test_studies import run_tiny
+    from tests.experiments.studies.test_studies import run_tiny
 
     out = run_tiny("pd_disaggregation", tmp_path)
     runs = sorted((out / "sim").glob("*/*/rate=*/metrics.json"))

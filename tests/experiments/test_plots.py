@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from experiments import plots
-from experiments.runs import run
+from experiments.run import run
 from tests.experiments.test_run import cfg_with
 
 

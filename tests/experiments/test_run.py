@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR
-from experiments.runs import run
+from experiments.run import run
 
 GROUPS = ("scheduler", "eviction", "router", "workload", "slo", "model", "hardware", "cost_model", "backend")
 

@@ -27,7 +27,7 @@ from core.replica import Replica, SchedulerLimits
 from core.request import Request
 from core.specs import HardwareSpec, ModelSpec
 from experiments.build import CONF_DIR
-from experiments.runs import run
+from experiments.run import run
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from core.batch import Batch, Chunk, StepFeatures
 from core.fast_forward import decode_features
 from experiments.build import CONF_DIR, build_executors, build_replicas, model_spec
-from experiments.calibrate import calibrate
-from experiments.compare import median_metrics
-from experiments.runs import run
+from experiments.calibration.calibrate import calibrate
+from experiments.calibration.compare import median_metrics
+from experiments.run import run
 from sim.calibration import calibrated_step_noise, load_calibration, write_calibration
 from sim.cost.linear import LinearCostModel
 from sim.executor import CostModelExecutor

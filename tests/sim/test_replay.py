@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from core.batch import StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
 from experiments.build import CONF_DIR
-from experiments.runs import replay, run
+from experiments.run import replay, run
 from sim.calibration import steps_from_csv
 from sim.replay import RecordedStep, ReplayDivergence, ReplayExecutor, load_recording, replay_executors
 
@@ -114,7 +114,7 @@ def test_recording_is_read_per_replica_in_order(tmp_path):
 def test_engine_run_replays_byte_for_byte(tmp_path):
     """The real engine (tiny model, a handful of short requests): the simulator fed its measured step times
     reproduces every timestamp of its requests.csv and tokens.csv."""
-    from experiments.runs import run
+    from experiments.run import run
 
     cfg = cfg_with("workload.num_requests=6", "workload.prompt_len.mean=24", "workload.output_len.mean=6",
                    "kv.num_blocks=64", "workload.arrival.rate_rps=20", name="compare")

@@ -17,7 +17,7 @@ from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, RequestState, Status
 from experiments.build import CONF_DIR
-from experiments.runs import run
+from experiments.run import run
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.lpm import LPMScheduler
@@ -161,7 +161,7 @@ def test_bad_spec_config_names_the_key():
 
 
 def test_calibration_grid_has_verify_shapes_and_the_fit_prices_drafts():
-    from experiments.calibrate import config_grid
+    from experiments.calibration.calibrate import config_grid
     from sim.calibration import fit_linear
     from sim.cost.base import decode_features
 

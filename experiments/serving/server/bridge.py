@@ -1,0 +1,185 @@
+"""The serving loop on the wall clock in its own thread, and the bridge to the asyncio HTTP handlers.
+
+Handlers never touch replica state: they submit and abort through ``RealTimeClock.call`` (run on the loop thread),
+and receive tokens through one ``asyncio.Queue`` per request, filled from the loop thread once per step with
+``call_soon_threadsafe``. Everything the loop thread does for the server per step is O(tokens in the step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.batch import Batch
+from core.loop import ServingLoop
+from core.realtime import RealTimeClock
+from core.records import StepRecord
+from core.request import Request, RequestState, Status
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EndEvent:
+    status: Status
+    reason: str
+
+
+@dataclass
+class Stream:
+    """One request's output channel, read by its HTTP handler."""
+
+    request: Request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: RequestState | None = None
+    delivered: int = 0  # output tokens handed to the queue (loop thread only)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Load figures for /metrics and backpressure, refreshed by the loop thread after every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 1
+
+
+class NoArrivals:
+    """The server's workload: requests come from HTTP handlers, none from a workload."""
+
+    def initial(self):
+        return iter(())
+
+    def on_finish(self, state: RequestState, now: float) -> Request | None:
+        return None
+
+
+class LoopThread:
+    """Runs ``loop`` on a ``RealTimeClock`` in a daemon thread and streams its tokens to asyncio handlers."""
+
+    def __init__(self, loop: ServingLoop, clock: RealTimeClock, aio_loop: asyncio.AbstractEventLoop,
+                 metrics: Any | None = None) -> None:
+        self.loop, self.clock, self.aio = loop, clock, aio_loop
+        self.metrics = metrics  # experiments.serving.server.metrics.ServerMetrics, told about steps and ends
+        self.streams: dict[str, Stream] = {}  # loop thread only
+        self.snapshot = Snapshot(kv_total_blocks=sum(r.kv.num_blocks for r in loop.replicas))
+        self.pending = 0  # submissions not yet dispatched (handler side, event-loop thread only)
+        loop.on_step.append(self._on_step)
+        loop.on_terminal.append(self._on_terminal)
+        self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.clock.run(self.loop.processes(self.clock))
+        except BaseException as e:  # surfaced by /health and every later submission
+            self.error = e
+            self.clock.stop()
+            for stream in list(self.streams.values()):
+                self.aio.call_soon_threadsafe(stream.queue.put_nowait, EndEvent(Status.CANCELLED, f"engine error: {e}"))
+
+    # ---- handler side (event-loop thread) -----------------------------------------------------------------
+    async def submit(self, request: Request) -> Stream:
+        """Route and queue ``request``; the stream's ``state`` tells whether it was rejected at once."""
+        if self.error is not None:
+            raise RuntimeError(f"the serving loop failed: {self.error}")
+        stream = Stream(request)
+        self.pending += 1
+        try:
+            stream.state = await asyncio.wrap_future(self.clock.call(lambda: self._dispatch(stream)))
+        finally:
+            self.pending -= 1
+        return stream
+
+    def abort(self, request_id: str, reason: str, status: Status = Status.CANCELLED) -> Future:
+        """End a request early (client gone, stop string seen); its KV is freed before the next step."""
+        return self.clock.call(lambda: self._abort(request_id, reason, status))
+
+    def now(self) -> float:
+        return self.clock.now
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.clock.stop()
+        self.thread.join(timeout_s)
+
+    # ---- loop thread ----------------------------------------------------------------------------------------
+    def _dispatch(self, stream: Stream) -> RequestState:
+        self.streams[stream.request.id] = stream  # before dispatch: a rejection ends it inside dispatch
+        state = self.loop.dispatch(stream.request)
+        self._refresh()
+        return state
+
+    def _abort(self, request_id: str, reason: str, status: Status) -> bool:
+        for r in self.loop.replicas:
+            if r.abort(request_id, self.clock.now, reason, status) is not None:
+                self._refresh()
+                return True
+        return False
+
+    def _on_step(self, replica: int, batch: Batch, record: StepRecord) -> None:
+        now = self.clock.now
+        out: list[tuple[asyncio.Queue, TokenEvent]] = []
+        for ch in batch.chunks:
+            if ch.samples:
+                stream = self.streams.get(ch.state.id)
+                if stream is not None:  # one token, or several when the step verified drafts
+                    tokens = ch.state.output_token_ids
+                    out += [(stream.queue, TokenEvent(t, now)) for t in tokens[stream.delivered:]]
+                    stream.delivered = len(tokens)
+        self._refresh()  # before the tokens go out: a client that sees a token sees the load it came with
+        if out:
+            self.aio.call_soon_threadsafe(_deliver, out)
+        if self.metrics is not None:
+            self.metrics.on_step(batch, record)
+
+    def _on_terminal(self, state: RequestState, now: float) -> None:
+        stream = self.streams.pop(state.id, None)
+        if stream is not None:  # a request ends inside apply(), before the step's tokens go out: send its last ones
+            last = [(stream.queue, TokenEvent(t, now)) for t in state.output_token_ids[stream.delivered:]]
+            items = [*last, (stream.queue, EndEvent(state.status, state.reason))]
+            # sent once this turn of the loop is over, after the step's listeners (the metrics): a client that has
+            # seen its request end finds all of its tokens in /metrics
+            if self.clock.call(lambda: self.aio.call_soon_threadsafe(_deliver, items)).done():  # clock stopped
+                self.aio.call_soon_threadsafe(_deliver, items)
+        if self.metrics is not None:
+            self.metrics.on_terminal(state)
+
+    def _refresh(self) -> None:
+        reps: Sequence = self.loop.replicas
+        self.snapshot = Snapshot(sum(len(r.running) for r in reps), sum(len(r.waiting) for r in reps),
+                                 sum(r.kv.num_used_blocks for r in reps), self.snapshot.kv_total_blocks)
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait (blocking, off the event loop) until no request is unfinished, then cancel what is left."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.clock.call(self.loop.unfinished).result(timeout=timeout_s):
+            time.sleep(0.02)
+        left = self.clock.call(self.loop.unfinished).result(timeout=10)
+        for rid in left:
+            self.abort(rid, "server shutting down").result(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self.clock.call(self.loop.unfinished).result(timeout=10):
+            time.sleep(0.01)
+
+    def records(self) -> tuple[list[RequestState], list[StepRecord]]:
+        """Copies of the terminal request states and the steps so far (taken on the loop thread)."""
+        return self.clock.call(lambda: ([s for s in self.loop.states if s.status.terminal],
+                                        list(self.loop.steps))).result(timeout=30)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, TokenEvent | EndEvent]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
