@@ -561,3 +561,32 @@ def read_timing(run_dir: str | Path) -> dict[str, Any]:
     """timing.json of a run directory (wall-clock facts: ``wall_s``, ...); {} when the run wrote none."""
     p = Path(run_dir) / "timing.json"
     return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def read_step_features(path: str | Path) -> tuple[list[StepFeatures], np.ndarray, np.ndarray]:
+    """Read a run's steps.csv (columns ``StepRecord.columns()``): (features, durations in s, replica ids). A run
+    written as Parquet: its steps.parquet (the path itself, or the sibling of an absent steps.csv)."""
+    path = Path(path)
+    names = StepFeatures.names()
+    if not path.is_file() or path.suffix == ".parquet":
+        cols = read_steps(table_path(path))
+        missing = sorted(set(StepRecord.columns()) - set(cols))
+        if missing:
+            raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
+        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() for k in names), strict=True)]
+        return feats, cols["duration_s"].astype(float), cols["replica"].astype(int)
+    features, durations, replicas = [], [], []
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        # num_draft_tokens came with speculative decoding: recordings made before it have none (0)
+        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - {"num_draft_tokens"})
+        if missing:
+            raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
+        for line, row in enumerate(reader, start=2):
+            try:
+                features.append(StepFeatures(**{k: int(row.get(k) or 0) for k in names}))
+                durations.append(float(row["duration_s"]))
+                replicas.append(int(row["replica"]))
+            except ValueError as e:
+                raise ValueError(f"{path}:{line}: bad value ({e})") from None
+    return features, np.array(durations, dtype=float), np.array(replicas, dtype=int)

@@ -530,9 +530,9 @@ def frontend_delay(cfg: DictConfig) -> float:
     steps), else 0 (our in-process engine has no front end)."""
     delay = cfg.get("frontend_delay_s")
     if delay is None:
-        if cfg.backend.name != "sim" or cfg.cost_model.get("_target_") != "sim.calibration.load_calibration":
+        if cfg.backend.name != "sim" or cfg.cost_model.get("_target_") != "sim.cost.calibrated.load_calibration":
             return 0.0
-        from sim.calibration import calibrated_frontend_delay
+        from sim.cost.calibrated import calibrated_frontend_delay
 
         return calibrated_frontend_delay(cfg.cost_model.path)
     return check_float(delay, "frontend_delay_s")
@@ -542,9 +542,9 @@ def step_noise(cfg: DictConfig) -> dict[str, Any] | None:
     """``backend.step_noise``: the step-time noise section a calibration file records (``sim.noise``); None without
     one, or when it is off."""
     if not check_bool(cfg.backend.get("step_noise", False), "backend.step_noise") \
-            or cfg.cost_model.get("_target_") != "sim.calibration.load_calibration":
+            or cfg.cost_model.get("_target_") != "sim.cost.calibrated.load_calibration":
         return None
-    from sim.calibration import calibrated_step_noise
+    from sim.cost.calibrated import calibrated_step_noise
     from sim.noise import StepNoise
 
     record = calibrated_step_noise(cfg.cost_model.path)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from core.batch import Batch, StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
-from core.output import read_tokens
-from sim.calibration import steps_from_csv
+from core.output import read_step_features, read_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +103,7 @@ def load_recording(path: str | Path) -> dict[int, list[RecordedStep]]:
         path = path / "steps.csv"
     if not path.is_file() and not path.with_suffix(".parquet").is_file():
         raise ValueError(f"replay: no steps.csv at {path}")
-    features, durations, replicas = steps_from_csv(path)
+    features, durations, replicas = read_step_features(path)
     out: dict[int, list[RecordedStep]] = {}
     for f, d, r in zip(features, durations.tolist(), replicas.tolist(), strict=True):
         out.setdefault(int(r), []).append(RecordedStep(f, float(d)))

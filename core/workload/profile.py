@@ -1,7 +1,7 @@
 """A profiling workload for calibrating a cost model against any server from request-level timings.
 
 A server seen from outside shows no steps, only when each request's tokens arrive. This workload makes those
-times easy to read as steps (``sim.calibration.request_samples`` reads them):
+times easy to read as steps (``experiments.calibration.samples.request_samples`` reads them):
 
 - **Isolated prefills** (``concurrency: [1]``): one request at a time, each sent when the previous one has ended,
   over a range of prompt lengths. An isolated request's TTFT is one prefill of its prompt (a few steps when the

@@ -92,9 +92,10 @@ def run_bench(out: Path, model: str, hardware: str, quick: bool) -> dict:
 
 def run_calibration(out: Path) -> dict:
     """The linear step-cost model fitted on the benchmark's steps (relative error per shape group)."""
-    from sim.calibration import fit_linear, steps_from_csv
+    from core.output import read_step_features
+    from sim.fit import fit_linear
 
-    features, durations, _ = steps_from_csv(out / "bench" / "steps.csv")
+    features, durations, _ = read_step_features(out / "bench" / "steps.csv")
     model, report = fit_linear(list(features), durations)
     return {"linear_model": {k: v for k, v in vars(model).items() if isinstance(v, int | float | str)},
             "fit": {k: v for k, v in vars(report).items() if isinstance(v, int | float | str | dict)},

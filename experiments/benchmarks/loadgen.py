@@ -27,7 +27,8 @@ from hydra import compose, initialize_config_dir
 
 from core.output import read_timing
 from experiments.build import CONF_DIR, REPO_ROOT
-from experiments.serving.loadgen import LoadGen, run_loadgen, summary_line
+from experiments.serving.loadgen.client import LoadGen
+from experiments.serving.loadgen.run import run_loadgen, summary_line
 
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
 

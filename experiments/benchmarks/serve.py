@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both sides)")
     a = p.parse_args(argv)
     from experiments.run import run
-    from experiments.serving.loadgen import run_loadgen
+    from experiments.serving.loadgen.run import run_loadgen
     from experiments.serving.server.process import ServerProcess
 
     with tempfile.TemporaryDirectory() as tmp:

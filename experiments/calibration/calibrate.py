@@ -10,8 +10,8 @@ engine: far steadier than the wall clock on a shared machine). Steps of earlier 
 ...]``) can join or replace the profile; ``calibrate.profile_from`` reuses an earlier profile.csv;
 ``calibrate.runs=[run_dir, ...]`` reads runs without steps.csv (a loadgen run against any server, best of the
 ``profile_prefill`` / ``profile_decode`` workloads) through the step samples their request timings imply
-(``sim.calibration.request_samples``). ``sim.calibration`` fits the linear model and the roofline's efficiencies,
-and the output directory gets:
+(``experiments.calibration.samples.request_samples``). ``sim.fit`` fits the linear model and the roofline's
+efficiencies, and the output directory gets:
 
 - ``linear.yaml`` / ``roofline.yaml``: ready cost models; use one with
   ``python -m experiments.run cost_model=calibrated cost_model.path=<dir>/linear.yaml``
@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.batch import Batch, StepFeatures
 from core.checks import check_bool
+from core.output import read_step_features
 from core.request import Status
 from core.shapes import ShapedBatch, admit_chunk, shape_blocks
 from experiments.build import (
@@ -50,9 +51,10 @@ from experiments.build import (
     num_kv_blocks,
     spec_method,
 )
+from experiments.calibration.samples import DEFAULT_TOLERANCE, request_samples_from_run
 from experiments.cli import user_errors
-from sim.calibration import (
-    DEFAULT_TOLERANCE,
+from sim.cost.calibrated import write_calibration
+from sim.fit import (
     FitReport,
     RequestFit,
     RequestSample,
@@ -62,9 +64,6 @@ from sim.calibration import (
     fit_linear_requests,
     fit_roofline,
     predict,
-    request_samples_from_run,
-    steps_from_csv,
-    write_calibration,
 )
 from sim.noise import record_step_noise
 
@@ -298,7 +297,7 @@ def run_steps(sources: Sequence[StepSource]) -> tuple[list[StepFeatures], np.nda
         csv_path = p / "steps.csv" if p.is_dir() else p
         if not csv_path.is_file() and not csv_path.with_suffix(".parquet").is_file():  # either format
             raise ValueError(f"calibrate.steps: no steps.csv at {p}")
-        f, d, _ = steps_from_csv(csv_path)
+        f, d, _ = read_step_features(csv_path)
         keep = [i for i, x in enumerate(d.tolist()[:limit]) if x > 0 and math.isfinite(x)]
         feats += [f[i] for i in keep]
         durs += [float(d[i]) for i in keep]
@@ -452,7 +451,7 @@ def request_level_samples(c: DictConfig) -> tuple[list[RequestSample], dict[str,
 def fit_with_requests(cfg: DictConfig, samples: Sequence[RequestSample], labels: Sequence[str],
                       fits: Sequence[str], target: str) -> tuple[dict[str, Any], dict[str, FitReport], RequestFit]:
     """The requested fits on request-level samples (and measured steps, ``kind="step"``): the linear model with a
-    per-request TTFT overhead (``sim.calibration.fit_linear_requests``); the roofline on the durations less that
+    per-request TTFT overhead (``sim.fit.fit_linear_requests``); the roofline on the durations less that
     overhead."""
     unknown = sorted(set(fits) - set(FITS))
     if unknown or not fits:

@@ -43,14 +43,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from core.checks import check_int
-from core.output import has_table, read_metrics, read_timing
+from core.output import has_table, read_metrics, read_step_features, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibration.calibrate import calibrate, describe, group_of, run_profile
 from experiments.calibration.interleave import run_interleaved
 from experiments.cli import user_errors
 from experiments.overrides import apply_overrides, with_backend, with_calibration
 from experiments.run import replay, run, same_files
-from sim.calibration import FitReport, load_calibration, predict, report, steps_from_csv
+from sim.cost.calibrated import load_calibration
+from sim.fit import FitReport, predict, report
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def errors_markdown(rows: Sequence[Mapping[str, Any]], title: str = "sim vs engi
 def step_errors(cost_model: Any, run_dir: str | Path) -> tuple[FitReport, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The cost model priced on a run's own steps: report (R², relative errors per shape group) and
     {group: (measured, predicted)} for a scatter."""
-    features, durations, _ = steps_from_csv(Path(run_dir) / "steps.csv")
+    features, durations, _ = read_step_features(Path(run_dir) / "steps.csv")
     keep = [i for i, d in enumerate(durations.tolist()) if d > 0]
     features, y = [features[i] for i in keep], durations[keep]
     labels = [group_of(f) for f in features]

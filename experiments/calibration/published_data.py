@@ -38,18 +38,9 @@ from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
 from experiments.build import REPO_ROOT
-from sim.calibration import (
-    FITTED_ROOFLINE,
-    Measurement,
-    OpGroupCost,
-    cross_validate,
-    fit_linear,
-    fit_roofline,
-    predict,
-    report,
-)
 from sim.cost.base import decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
+from sim.fit import FITTED_ROOFLINE, Measurement, OpGroupCost, cross_validate, fit_linear, fit_roofline, predict, report
 
 REPO = REPO_ROOT
 MS = 1e-3

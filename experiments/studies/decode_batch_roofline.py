@@ -20,8 +20,8 @@ from experiments import plots
 from experiments.build import hardware_spec, instantiate_group, model_spec, num_kv_blocks
 from experiments.calibration.calibrate import Shape, profile
 from experiments.studies.common import Report, backends, fmt, with_section
-from sim.calibration import fit_roofline
 from sim.cost.roofline import RooflineCostModel
+from sim.fit import fit_roofline
 
 COLUMNS = ("context", "batch", "step_s", "tokens_per_s", "weights_s", "kv_s", "weight_bytes", "kv_bytes",
            "fits_memory")

@@ -44,9 +44,9 @@ from experiments.build import CONF_DIR, hardware_spec, model_spec, num_kv_blocks
 from experiments.cli import user_errors
 from experiments.studies.quant_quality import effective, model_dtype, resolve_group_size, run_quality, settings
 from policies.eviction.lru import LRUEviction
-from sim.calibration import fit_roofline
 from sim.cost.base import decode_features
 from sim.cost.roofline import RooflineCostModel
+from sim.fit import fit_roofline
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ from sim.cost.base import as_hardware_spec, as_model_spec, decode_steps
 
 LOGIT_BYTES = 4  # logits are written in float32
 ALLREDUCES_PER_LAYER = 2  # after attention and after the MLP (Megatron-style tensor parallelism)
+TARGET = "sim.cost.roofline.RooflineCostModel"
+PARAMS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")  # besides the specs
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,7 @@ class RooflineCostModel:
 
     def params(self) -> dict[str, Any]:
         """Constructor arguments other than the specs."""
-        return {k: getattr(self, k) for k in ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits",
-                                              "group_size", "tp")}
+        return {k: getattr(self, k) for k in PARAMS}
 
     def replace(self, **changes: Any) -> RooflineCostModel:
         return RooflineCostModel(self.model, self.hardware, **{**self.params(), **changes})

@@ -69,4 +69,4 @@ def test_user_classes_and_annotated_factories_are_accepted():
 
 
 def test_a_factory_returning_a_union_is_checked_member_by_member():
-    check_targets({"_target_": "sim.calibration.load_calibration", "path": "x"}, "cost_model")  # no error
+    check_targets({"_target_": "sim.cost.calibrated.load_calibration", "path": "x"}, "cost_model")  # no error

@@ -31,8 +31,8 @@ from experiments.run import run
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.calibration import write_calibration
 from sim.clock import simulate
+from sim.cost.calibrated import write_calibration
 from sim.cost.linear import LinearCostModel
 from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
@@ -285,7 +285,7 @@ ROOFLINES = list(roofline_models())
 
 def test_executor_decode_run_matches_execute():
     """CostModelExecutor.decode_run prices the batches execute() would see, for a vectorised and a scalar model."""
-    from sim.calibration import OpGroupCost
+    from sim.fit import OpGroupCost
 
     for cm in (ROOFLINES[0], OpGroupCost(ROOFLINES[0], ("linear", "attention_decode"))):
         ex = CostModelExecutor(cm)

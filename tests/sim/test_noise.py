@@ -20,7 +20,7 @@ from experiments.build import CONF_DIR, build_executors, build_replicas, model_s
 from experiments.calibration.calibrate import calibrate
 from experiments.calibration.compare import median_metrics
 from experiments.run import run
-from sim.calibration import calibrated_step_noise, load_calibration, write_calibration
+from sim.cost.calibrated import calibrated_step_noise, load_calibration, write_calibration
 from sim.cost.linear import LinearCostModel
 from sim.executor import CostModelExecutor
 from sim.noise import MIN_STEPS, StepNoise, auto_block_steps, record_step_noise

@@ -9,9 +9,9 @@ from hydra import compose, initialize_config_dir
 
 from core.batch import StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
+from core.output import read_step_features
 from experiments.build import CONF_DIR
 from experiments.run import replay, run
-from sim.calibration import steps_from_csv
 from sim.replay import RecordedStep, ReplayDivergence, ReplayExecutor, load_recording, replay_executors
 
 FILES = ("requests.csv", "tokens.csv", "steps.csv")
@@ -54,7 +54,7 @@ def test_replay_reproduces_the_recorded_run_byte_for_byte(tmp_path, case):
     replay(cfg, tmp_path / "a", tmp_path / "b")
     for name in FILES:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    _, durations, _ = steps_from_csv(tmp_path / "a" / "steps.csv")
+    _, durations, _ = read_step_features(tmp_path / "a" / "steps.csv")
     assert len(set(durations.tolist())) > 0.9 * len(durations)  # the recording really is jittery
 
 
@@ -72,7 +72,7 @@ def test_a_different_budget_diverges_at_the_first_step_it_binds(tmp_path):
     tokens is the same, so the replay must stop exactly there, naming recorded vs replayed features."""
     cfg = cfg_with("workload.num_requests=30", "workload.prompt_len.mean=300")
     record(cfg, tmp_path / "a")
-    features, _, _ = steps_from_csv(tmp_path / "a" / "steps.csv")
+    features, _, _ = read_step_features(tmp_path / "a" / "steps.csv")
     first = next(i for i, f in enumerate(features) if f.num_batched_tokens > 256)
     with pytest.raises(ReplayDivergence, match=rf"replica 0 step {first}: .*num_batched_tokens: recorded "
                                                rf"{features[first].num_batched_tokens}, replayed 256"):
@@ -101,7 +101,7 @@ def test_recording_is_read_per_replica_in_order(tmp_path):
     cfg = cfg_with(*CASES["two_replicas_shared_prefix"])
     record(cfg, tmp_path)
     rec = load_recording(tmp_path)
-    features, durations, replicas = steps_from_csv(tmp_path / "steps.csv")
+    features, durations, replicas = read_step_features(tmp_path / "steps.csv")
     for r in (0, 1):
         rows = [(f, d) for f, d, k in zip(features, durations.tolist(), replicas.tolist(), strict=True) if k == r]
         assert [(s.features, s.duration_s) for s in rec[r]] == rows

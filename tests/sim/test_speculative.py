@@ -162,8 +162,8 @@ def test_bad_spec_config_names_the_key():
 
 def test_calibration_grid_has_verify_shapes_and_the_fit_prices_drafts():
     from experiments.calibration.calibrate import config_grid
-    from sim.calibration import fit_linear
     from sim.cost.base import decode_features
+    from sim.fit import fit_linear
 
     shapes, _, grid = config_grid(cfg_with("spec=ngram", "spec.num_speculative_tokens=3", name="calibrate"))
     verify = [s for s in shapes if s.group == "verify"]

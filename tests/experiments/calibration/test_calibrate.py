@@ -26,10 +26,11 @@ from experiments.calibration.calibrate import (
     profile,
     read_profile,
 )
+from experiments.calibration.samples import request_samples_from_run
 from experiments.run import run
 from experiments.serving.server.process import ServerProcess
-from sim.calibration import fit_linear_requests, request_samples_from_run
 from sim.cost.linear import LinearCostModel
+from sim.fit import fit_linear_requests
 
 TRUE = {"c0_s": 2e-3, "per_prefill_token_s": 5e-5, "per_decode_seq_s": 3e-4, "per_attention_pair_s": 2e-8,
         "per_kv_token_read_s": 1e-6}
@@ -278,7 +279,7 @@ def test_black_box_calibration_against_a_served_simulator(tmp_path):
     long-prompt workload against the same server and in the simulator with the calibration: p50/p90 TTFT and TPOT
     within 15% (measured here: within 4%)."""
     from experiments.calibration.compare import compare
-    from experiments.serving.loadgen import run_loadgen
+    from experiments.serving.loadgen.run import run_loadgen
 
     lg = ["output.plots=false", "output.progress=false"]
     with served(tmp_path / "serve", "backend=sim") as url:

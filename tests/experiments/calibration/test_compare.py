@@ -167,7 +167,7 @@ def _known_linear(tmp_path):
     """A calibration file holding the hand-set linear model of conf/cost_model/linear.yaml."""
     from hydra.utils import instantiate
 
-    from sim.calibration import write_calibration
+    from sim.cost.calibrated import write_calibration
 
     return write_calibration(tmp_path / "known.yaml", instantiate(cfg_with("backend=sim").cost_model))
 

@@ -16,8 +16,8 @@ from experiments.calibration.published_data import (
     default_data_dir,
     load,
 )
-from sim.calibration import fit_roofline, predict, steps_of
 from sim.cost.roofline import RooflineCostModel
+from sim.fit import fit_roofline, predict, steps_of
 
 try:
     DATA = default_data_dir()

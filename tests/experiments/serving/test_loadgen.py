@@ -22,7 +22,9 @@ from experiments.serving.bench_result import (
     read_bench_serve,
 )
 from experiments.serving.fake_openai import FakeOpenAIServer
-from experiments.serving.loadgen import Target, TextPrompts, run_loadgen
+from experiments.serving.loadgen.prompts import TextPrompts
+from experiments.serving.loadgen.run import run_loadgen
+from experiments.serving.loadgen.target import Target
 
 TTFT, ITL = 0.03, 0.01
 FAST = ["output.plots=false", "output.progress=false"]
@@ -321,7 +323,7 @@ def test_text_prompts_tokenize_to_the_length_and_keep_shared_prefixes(make, shor
 
     from core.prompt import materialize
     from core.request import Request
-    from experiments.serving.loadgen import load_tokenizer
+    from experiments.serving.loadgen.prompts import load_tokenizer
 
     d = make(tmp_path / "tok")
     builder = TextPrompts(load_tokenizer(d))

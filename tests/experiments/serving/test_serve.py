@@ -217,7 +217,7 @@ def test_loadgen_agrees_with_the_servers_own_records(ckpt, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from experiments.build import CONF_DIR
-    from experiments.serving.loadgen import run_loadgen
+    from experiments.serving.loadgen.run import run_loadgen
 
     s = Server(ckpt, tmp_path / "server", "kv.num_blocks=512")
     try:

@@ -62,7 +62,7 @@ def test_greedy_outputs_token_identical_and_loadgen_measures_both(ckpt, vllm, tm
     from hydra import compose, initialize_config_dir
 
     from experiments.build import CONF_DIR
-    from experiments.serving.loadgen import run_loadgen
+    from experiments.serving.loadgen.run import run_loadgen
 
     ours = Server(ckpt, tmp_path / "ours", "kv.num_blocks=512")
     try:

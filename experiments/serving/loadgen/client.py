@@ -1,227 +1,38 @@
-"""`python -m experiments.loadgen`: replay any workload against any OpenAI-compatible server, measured like a run.
-
-Every workload of the simulator (``conf/workload/*``) is sent to ``target.url``'s ``/v1/completions``, streamed
-(SSE, ``stream_options.include_usage``), and measured per output chunk, so the run directory holds the same
-requests.csv, tokens.csv and metrics.json as a simulated run (no steps.csv: a black box shows no steps), plus:
-
-- ``bench_serve.json``: the same run in vLLM ``bench serve`` result form (``experiments.serving.bench_result``);
-- ``client.csv``: per request the scheduled and actual send times (s from the start), the HTTP status and the
-  token counts the server reported in its usage block;
-- ``config.yaml`` (the resolved config) and ``latency_cdfs.png`` (``output.plots``).
-
-Prompts: a request of n prompt tokens is sent as exactly n token ids (``target.prompt_mode=tokens``: its
-``prompt_token_ids``, else ``core.prompt.materialize``'s deterministic ids, the ones our engine runs, so requests
-sharing content share token prefixes), or as text that tokenizes to n tokens with the target's tokenizer
-(``prompt_mode=text``, ``TextPrompts``). ``target.ignore_eos`` sends ``ignore_eos`` and ``min_tokens`` =
-``max_tokens`` so that every request generates exactly its workload output length.
-
-Timing (one asyncio loop, ``time.monotonic``): request i is due at start + ``arrival_s``; the client sleeps until
-just before, then yields to the loop until the due time and launches it. Its ``arrival_s`` in the run files is the
-due time (so client delays count in TTFT), its ``first_scheduled_s`` the time its body was written to the socket
-(metrics' queue_s is therefore the client-side delay: send lag plus any wait for a ``target.max_concurrency``
-slot; the server's own queue is not visible). Each network read is one timestamp: the tokens of the SSE chunks it
-carries are one output event (k tokens -> one event of k tokens, ``core.metrics.output_events``). A chunk's
-tokens are counted from its ``token_ids`` (or ``logprobs.tokens``) when the server sends them, else 1 per chunk
-(0 for an empty final chunk); when the usage block's ``completion_tokens`` disagrees, the usage count is spread
-over the chunks (``bench_format.apportion``) and ``num_token_count_mismatch`` counts it. A FINISHED request's
-``finish_s`` is its last token's time (as in the simulator, and vLLM's E2EL).
-
-Every request ends in exactly one terminal status: FINISHED (a stream with >= 1 token that ended with a
-finish_reason or ``[DONE]``); TIMED_OUT (no complete answer ``target.timeout_s`` after its due time; the
-connection is closed, which a server sees as a cancel); REJECTED (an HTTP error status, a connection error, an
-error object in the stream, or a stream that ended early), with the reason. Closed-loop and multi-turn workloads
-get each client's next request from ``workload.on_finish(state, now)``, as in the simulator.
-
-Send lag (actual send - due time, over all requests that were sent) is in metrics.json as ``send_lag_s``;
-``python -m experiments.bench_loadgen`` measures it at 100 req/s against a fake server. To keep it small the
-client opens a few keep-alive connections before the clock starts, builds each request body before its due time,
-and pauses Python's automatic garbage collection during the run (young generations are collected when no send is
-due within ``GC_QUIET_S``).
-"""
+"""The load client: one asyncio loop that sends each request at its due time, streams it and times every chunk."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
 import gc
-import io
 import json
 import logging
-import math
 import os
 import sys
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import yarl
-from omegaconf import DictConfig, OmegaConf
 
 from core.interfaces import Workload
-from core.metrics import stats
-from core.prompt import materialize
 from core.request import Request, RequestState, Status
+from experiments.serving.loadgen.prompts import Prompts
+from experiments.serving.loadgen.target import Target
 
-PROMPT_MODES = ("tokens", "text")
 SPIN_S = 0.0011  # sleep until this long before a due time, then yield to the loop until it (epoll rounds up to ms)
 LAUNCH_LEAD_S = 0.005  # a request's task starts this long before its due time
 WARM_CONNECTIONS = 8  # keep-alive connections opened before the start
 GC_EVERY_S, GC_QUIET_S = 0.5, 0.01  # young-generation garbage collection: how often, and only this far from a send
 ERROR_TEXT_LIMIT = 300
-LAG_PERCENTILES = (50, 90, 99, 99.9)
 log = logging.getLogger(__name__)
 CLIENT_COLUMNS = ("id", "scheduled_s", "sent_s", "http_status", "usage_prompt_tokens", "usage_output_tokens",
                   "usage_cached_tokens")
 
-
-# ---- configuration -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Target:
-    """The ``target`` section: where and how requests are sent."""
-
-    url: str
-    model: str | None = None
-    timeout_s: float | None = None
-    prompt_mode: str = "tokens"
-    tokenizer: str | None = None
-    ignore_eos: bool = True
-    max_concurrency: int | None = None
-    api_key: str | None = None
-    extra_body: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"target.url must be an http:// or https:// URL, got {self.url!r}")
-        if self.prompt_mode not in PROMPT_MODES:
-            raise ValueError(f"target.prompt_mode={self.prompt_mode!r}; allowed: {list(PROMPT_MODES)}")
-        t = self.timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not t > 0):
-            raise ValueError(f"target.timeout_s must be a number of seconds > 0 or null, got {t!r}")
-        c = self.max_concurrency
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"target.max_concurrency must be an int >= 1 or null, got {c!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"target.ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if not isinstance(self.extra_body, Mapping):
-            raise ValueError(f"target.extra_body must be a mapping of extra request fields, got {self.extra_body!r}")
-
-    @classmethod
-    def from_mapping(cls, node: Mapping[str, Any]) -> Target:
-        d = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node)
-        allowed = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(d) - allowed)
-        if unknown:
-            raise ValueError(f"target: unknown keys {unknown}; allowed: {sorted(allowed)}")
-        if "url" not in d:
-            raise ValueError("target.url is required (e.g. target.url=http://127.0.0.1:8000)")
-        d["extra_body"] = dict(d.get("extra_body") or {})
-        return cls(**d)
-
-    @property
-    def completions_url(self) -> str:
-        """``url`` as given when it ends with /v1/completions, else with /v1/completions (or /completions) added."""
-        u = self.url.rstrip("/")
-        if u.endswith("/completions"):
-            return u
-        return u + ("/completions" if u.endswith("/v1") else "/v1/completions")
-
-    @property
-    def models_url(self) -> str:
-        return self.completions_url.removesuffix("/completions") + "/models"
+log = logging.getLogger(__name__)
 
 
-# ---- prompts -------------------------------------------------------------------------------------------------------
-class TextPrompts:
-    """Text that tokenizes to a given number of tokens with ``tokenizer`` (a transformers tokenizer).
-
-    A pool of "words" is picked from the vocabulary: tokens that decode to a plain ASCII alphanumeric piece
-    and survive a round trip repeated (decode([i, i, i]) encodes back to [i, i, i]), e.g. " the" for byte-level
-    BPE. Token id t of a prompt becomes word ``pool[t % len(pool)]``, so prompts sharing token prefixes share text
-    prefixes (the server's prefix cache sees the workload's sharing). The tokens the tokenizer adds (BOS) count:
-    the text holds n - ``num_special_tokens_to_add()`` words. A text whose count is off after decoding is corrected
-    by adding or dropping words (a few rounds); ``text(ids, n)`` returns (text, tokens it encodes to), the nearest
-    count when n cannot be met (n = 1 with a BOS-adding tokenizer).
-    """
-
-    def __init__(self, tokenizer: Any, pool_size: int = 1024, max_scan: int = 200_000) -> None:
-        self.tok = tokenizer
-        self.num_special = int(tokenizer.num_special_tokens_to_add(pair=False))
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        pool: list[int] = []
-        for i in range(min(len(tokenizer), max_scan)):
-            if i in special:
-                continue
-            piece = tokenizer.decode([i])
-            word = piece.strip()
-            if not word or not word.isascii() or not word.isalnum():
-                continue
-            if self._encode(tokenizer.decode([i, i, i])) != [i, i, i]:
-                continue
-            pool.append(i)
-            if len(pool) >= pool_size:
-                break
-        if not pool:
-            raise ValueError("target.tokenizer: found no vocabulary entry that round-trips as a word; "
-                             "use target.prompt_mode=tokens")
-        self.pool = pool
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def count(self, text: str) -> int:
-        """Tokens the server's tokenizer gives ``text``, added special tokens included."""
-        return len(self._encode(text)) + self.num_special
-
-    def text(self, token_ids: Sequence[int], n: int) -> tuple[str, int]:
-        pool, k = self.pool, len(self.pool)
-        words = [pool[t % k] for t in token_ids]
-        target = max(1, n - self.num_special)
-        m, best = target, None
-        for _ in range(8):
-            ids = (words + [pool[(len(words) + j) % k] for j in range(m - len(words))])[:m]
-            text = self.tok.decode(ids)
-            got = self.count(text)
-            if best is None or abs(got - n) < abs(best[1] - n):
-                best = (text, got)
-            if got == n:
-                break
-            m = max(1, m + n - got)
-        return best
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The target's tokenizer from a local directory (``engine.tokenizer``: no download)."""
-    from engine.tokenizer import load_tokenizer as load
-
-    tok = load(path)
-    if tok is None:
-        raise ValueError(f"target.tokenizer={str(path)!r}: no tokenizer files in that directory")
-    return tok
-
-
-class Prompts:
-    """The ``prompt`` field for a request: token ids (tokens mode) or text (text mode), exactly prompt_len long."""
-
-    def __init__(self, mode: str, vocab_size: int, seed: int = 0, text: TextPrompts | None = None) -> None:
-        if mode == "text" and text is None:
-            raise ValueError("target.prompt_mode=text needs a tokenizer (target.tokenizer or model.path)")
-        self.mode, self.vocab_size, self.seed, self.text = mode, vocab_size, seed, text
-        self.num_length_off = 0  # text prompts whose token count could not be made exact
-
-    def __call__(self, req: Request) -> list[int] | str:
-        ids = materialize(req, self.vocab_size, self.seed)
-        if self.mode == "tokens":
-            return ids
-        text, got = self.text.text(ids, req.prompt_len)
-        self.num_length_off += got != req.prompt_len
-        return text
-
-
-# ---- the client ------------------------------------------------------------------------------------------------------
 @dataclass(slots=True, eq=False)
 class ClientRecord:
     """What the client saw of one request, besides its RequestState (times relative to the start)."""
@@ -581,140 +392,3 @@ class LoadGen:
         if rec.usage_cached_tokens:
             state.num_cached_tokens = int(rec.usage_cached_tokens)
 
-
-# ---- the run ---------------------------------------------------------------------------------------------------------
-def _known_total(workload: Workload, requests: list[Request] | None) -> int | None:
-    if requests is not None:
-        return len(requests)
-    n = getattr(workload, "num_requests", None)
-    return n if isinstance(n, int) else None
-
-
-def _client_csv(records: Sequence[ClientRecord]) -> str:
-    from core.output import fmt
-
-    f = io.StringIO()
-    w = csv.writer(f, lineterminator="\n")
-    w.writerow(CLIENT_COLUMNS)
-    for r in sorted(records, key=lambda r: r.scheduled_s):
-        w.writerow([fmt(getattr(r, c)) for c in CLIENT_COLUMNS])
-    return f.getvalue()
-
-
-def build_prompts(cfg: DictConfig, target: Target) -> Prompts:
-    """Tokens or text prompts for ``target``; the vocabulary comes from the tokenizer when one is named
-    (``target.tokenizer``, else ``model.path`` in text mode), else from the model config."""
-    from experiments.build import model_spec
-
-    tok_dir = target.tokenizer
-    if tok_dir is None and target.prompt_mode == "text":
-        tok_dir = cfg.model.get("path")
-        if not tok_dir:
-            raise ValueError("target.prompt_mode=text needs target.tokenizer=DIR (a local tokenizer directory) "
-                             "or model.path=DIR")
-    seed = int(cfg.get("seed", 0))
-    if tok_dir is None:
-        return Prompts("tokens", model_spec(cfg).vocab_size, seed)
-    tok = load_tokenizer(tok_dir)
-    text = TextPrompts(tok) if target.prompt_mode == "text" else None
-    return Prompts(target.prompt_mode, len(tok), seed, text)
-
-
-def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | None = None) -> dict[str, Any]:
-    """Replay ``cfg.workload`` against ``cfg.target`` and write the run directory; returns metrics.json's dict.
-    ``client``: a LoadGen subclass to run instead (e.g. instrumented, as in ``experiments.benchmarks.loadgen``)."""
-    from core.metrics import summarize
-    from core.workload.base import OpenLoop
-    from experiments.build import build_workload, metrics_options, model_spec, progress_bar
-    from experiments.serving.bench_result import bench_serve_result, write_measured_run
-
-    target = Target.from_mapping(cfg.target)
-    options = metrics_options(cfg, model_spec(cfg))
-    workload = build_workload(cfg.workload)
-    prompts = build_prompts(cfg, target)
-    # open-loop requests are known up front: their count gives the progress bar a total and an ETA
-    requests = list(workload.initial()) if isinstance(workload, OpenLoop) else None
-    if requests is not None:
-        workload = _Fixed(workload, requests)
-    output = cfg.get("output") or {}
-    gen = (client or LoadGen)(workload, target, prompts, progress=progress_bar(output.get("progress", "auto")),
-                              total=_known_total(workload, requests))
-    res = gen.run()
-
-    metrics = summarize(res.states, **options)
-    lags = res.send_lags_s
-    metrics.update(
-        backend="loadgen", target_url=target.completions_url, target_model=res.model, prompt_mode=target.prompt_mode,
-        send_lag_s=stats(lags, options["percentile_method"], LAG_PERCENTILES),
-        num_unsent=len(res.records) - len(lags),
-        num_token_count_mismatch=res.num_token_count_mismatch,
-        num_client_errors=res.num_client_errors,
-        num_prompt_length_off=prompts.num_length_off + sum(
-            r.usage_prompt_tokens is not None and r.usage_prompt_tokens != s.request.prompt_len
-            for r, s in zip(res.records, res.states, strict=True)),
-    )
-    bench = bench_serve_result(res.states, metrics["duration_s"], options["slo"])
-    bench.update(backend="twinserve-loadgen", model_id=res.model, max_concurrency=target.max_concurrency)
-    out = Path(out_dir)
-    write_measured_run(out, res.states, metrics, {
-        "bench_serve.json": json.dumps(bench, indent=2, allow_nan=False) + "\n",
-        "client.csv": _client_csv(res.records),
-        "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
-    }, timing={"wall_s": res.wall_s})
-    if output.get("plots", False):
-        from core.output import read_metrics, read_requests_csv, read_tokens_csv
-        from experiments import plots
-
-        run = plots.RunData(read_requests_csv(out / "requests.csv"), read_tokens_csv(out / "tokens.csv"), {},
-                            read_metrics(out / "metrics.json"))
-        plots.latency_cdfs({out.name: run}, out / "latency_cdfs.png", f"loadgen: {res.model}")
-    return metrics
-
-
-class _Fixed:
-    """An open-loop workload whose requests were already drawn (``initial`` replays the list)."""
-
-    def __init__(self, inner: Workload, requests: list[Request]) -> None:
-        self.inner, self.requests = inner, requests
-
-    def initial(self) -> Iterator[Request]:
-        return iter(self.requests)
-
-    def on_finish(self, state: RequestState, now: float) -> Request | None:
-        return self.inner.on_finish(state, now)
-
-
-def summary_line(metrics: Mapping[str, Any]) -> str:
-    def ms(x: float | None) -> str:
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1e3:.2f}"
-
-    lag = metrics["send_lag_s"]
-    return (f"completed {metrics['num_completed']}/{metrics['num_requests']} (rejected {metrics['num_rejected']}, "
-            f"timed out {metrics['num_timed_out']}); TTFT p50/p99 ms {ms(metrics['ttft_s']['p50'])}/"
-            f"{ms(metrics['ttft_s']['p99'])}; ITL p50/p99 ms {ms(metrics['itl_s']['p50'])}/"
-            f"{ms(metrics['itl_s']['p99'])}; send lag p50/p99/max ms {ms(lag['p50'])}/{ms(lag['p99'])}/"
-            f"{ms(lag['max'])}")
-
-
-def _main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    out_dir = HydraConfig.get().runtime.output_dir
-    t = time.perf_counter()
-    metrics = run_loadgen(cfg, out_dir)
-    log.info(summary_line(metrics))
-    log.info(f"wrote {out_dir} ({time.perf_counter() - t:.1f} s)")
-
-
-def main() -> None:
-    import hydra
-
-    from experiments.build import CONF_DIR
-    from experiments.cli import user_errors
-
-    # an absolute config path: works as `python -m experiments.loadgen` and as the twinserve-loadgen console script
-    hydra.main(config_path=str(CONF_DIR), config_name="loadgen", version_base="1.3")(user_errors(_main))()
-
-
-if __name__ == "__main__":
-    main()

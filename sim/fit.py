@@ -1,41 +1,35 @@
-"""Fit cost models to measured step times and write the result as a ready ``cost_model`` config (DESIGN §9).
+"""Fit cost models to measured step times (a profile, a run's steps.csv) or to request-level samples (a server
+seen as a black box).
 
 A *measurement* is one step (``StepFeatures``) or a run of steps whose durations were measured as one sum (e.g. the
 chunks of one chunked prefill): the linear model sums the run's feature rows (its intercept counts steps), the
-roofline sums its step times. Errors are relative: (predicted − measured) / measured.
+roofline sums its step times. Errors are relative: (predicted − measured) / measured. The fitted model is written as
+a ready ``cost_model`` config by ``sim.cost.calibrated``.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 from scipy.optimize import least_squares, nnls
 
 from core.batch import StepFeatures
 from core.checks import check_keys
-from core.records import StepRecord
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost.base import CostModel, as_model_spec
-from sim.cost.linear import TARGET as LINEAR_TARGET
+from sim.cost.base import CostModel
 from sim.cost.linear import LinearCostModel
+from sim.cost.roofline import PARAMS as ROOFLINE_PARAMS
 from sim.cost.roofline import RooflineCostModel
 
 Measurement = StepFeatures | Sequence[StepFeatures]
-
 LINEAR_TERMS = ("c0_s", "per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s", "per_kv_token_read_s",
                 "per_prefill_context_token_s", "per_draft_token_s")
 FEATURE_COLUMNS = ("steps", "num_prefill_tokens", "num_decode_seqs", "attention_pairs", "kv_tokens_read",
                    "prefill_context_tokens", "num_draft_tokens")
-ROOFLINE_TARGET = "sim.cost.roofline.RooflineCostModel"
-ROOFLINE_PARAMS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
 FITTED_ROOFLINE = ("compute_eff", "bw_eff", "overhead_s")
 MIN_EFF = 1e-3  # lower bound of a fitted efficiency
 EFF_GRID = np.geomspace(0.01, 1.0, 31)  # coarse grid the roofline fit starts from (then refined)
@@ -308,147 +302,8 @@ def cross_validate(fit: Callable[[list[Measurement], np.ndarray], CostModel], fe
     return rel
 
 
-def steps_from_csv(path: str | Path) -> tuple[list[StepFeatures], np.ndarray, np.ndarray]:
-    """Read a run's steps.csv (columns ``StepRecord.columns()``): (features, durations in s, replica ids). A run
-    written as Parquet: its steps.parquet (the path itself, or the sibling of an absent steps.csv)."""
-    from core.output import read_steps, table_path
-
-    path = Path(path)
-    names = StepFeatures.names()
-    if not path.is_file() or path.suffix == ".parquet":
-        cols = read_steps(table_path(path))
-        missing = sorted(set(StepRecord.columns()) - set(cols))
-        if missing:
-            raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
-        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() for k in names), strict=True)]
-        return feats, cols["duration_s"].astype(float), cols["replica"].astype(int)
-    features, durations, replicas = [], [], []
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        # num_draft_tokens came with speculative decoding: recordings made before it have none (0)
-        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - {"num_draft_tokens"})
-        if missing:
-            raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                features.append(StepFeatures(**{k: int(row.get(k) or 0) for k in names}))
-                durations.append(float(row["duration_s"]))
-                replicas.append(int(row["replica"]))
-            except ValueError as e:
-                raise ValueError(f"{path}:{line}: bad value ({e})") from None
-    return features, np.array(durations, dtype=float), np.array(replicas, dtype=int)
-
-
-def calibration_dict(cost_model: LinearCostModel | RooflineCostModel) -> dict[str, Any]:
-    """The ``cost_model`` config entry: ``_target_`` + parameters; a roofline takes the run's model and hardware."""
-    if isinstance(cost_model, LinearCostModel):
-        return cost_model.to_dict()
-    if isinstance(cost_model, RooflineCostModel):
-        return {"_target_": ROOFLINE_TARGET, "model": "${model}", "hardware": "${hardware}", **cost_model.params()}
-    raise ValueError(f"cannot write a calibration for {type(cost_model).__name__}; expected a linear or roofline model")
-
-
-def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCostModel,
-                      fit: FitReport | None = None, note: str = "", fitted_for: tuple[str, str] | None = None,
-                      frontend_delay_s: float | None = None, step_noise: Mapping[str, Any] | None = None) -> Path:
-    """A YAML usable as a ``conf/cost_model`` option, with a commented summary; the full report (if given) goes
-    next to it as ``<stem>.report.json``. ``fitted_for`` = (model name, hardware name) the measurements came from:
-    loading the file for another model or hardware then fails unless the run allows it. ``frontend_delay_s``: a
-    server's per-request time outside its steps (fitted from request-level runs), which a simulation with this
-    file adds before each request reaches a replica (``calibrated_frontend_delay``). ``step_noise``: the measured
-    steps' variability around this model (``sim.noise.record_step_noise``), last in the file: a simulation with
-    this file replays it (``backend.step_noise``)."""
-    path = Path(path)
-    header = ["# Calibrated cost model (sim.calibration.write_calibration)."]
-    if note:
-        header += [f"# {line}" for line in note.splitlines()]
-    if isinstance(cost_model, RooflineCostModel):
-        header.append(f"# Fitted for model={cost_model.model.name} hardware={cost_model.hardware.name}; "
-                      "${model} / ${hardware} take the run's selection.")
-    if fit is not None:
-        header.append(f"# Fit on {fit.num_rows} rows: median |rel err| {fit.median_rel_error:.1%}, "
-                      f"p90 {fit.p90_rel_error:.1%}, max {fit.max_rel_error:.1%}, r2 {fit.r2:.4f}. "
-                      f"Report: {path.stem}.report.json")
-        path.with_name(path.stem + ".report.json").write_text(json.dumps(fit.to_dict(), indent=2))
-    body = calibration_dict(cost_model)
-    if fitted_for is not None:
-        body["fitted_for"] = {"model": fitted_for[0], "hardware": fitted_for[1]}
-    if frontend_delay_s is not None:
-        body["frontend_delay_s"] = float(frontend_delay_s)
-    text = yaml.safe_dump(body, sort_keys=False)
-    if step_noise is not None:
-        sigmas = ", ".join(f"{k} {v:.3f}" for k, v in step_noise["sigma"].items())
-        header.append(f"# Step noise (sim/noise.py): {step_noise['num_steps']} run steps' log(measured / predicted), "
-                      f"sd {step_noise['sigma_all']:.3f} ({sigmas}), standardised per kind (z) in step order; a "
-                      f"simulation replays z in blocks of {step_noise['block_steps']} steps unless "
-                      "backend.step_noise=false.")
-        text += yaml.safe_dump({"step_noise": dict(step_noise)}, sort_keys=False, default_flow_style=None, width=116)
-    path.write_text("\n".join(header) + "\n" + text)
-    return path
-
-
-def read_calibration_file(path: str | Path) -> Any:
-    """A calibration file's YAML (libyaml's parser where installed: a step noise section holds up to 10,000
-    numbers, 0.04 s to read instead of 0.25 s); None if there is no such file."""
-    path = Path(path)
-    if not path.is_file():
-        return None
-    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-
-
-def calibrated_step_noise(path: str | Path) -> dict[str, Any] | None:
-    """The ``step_noise`` section a calibration file records (None when it has none: no run's steps were fitted)."""
-    cfg = read_calibration_file(path)
-    return cfg.get("step_noise") if isinstance(cfg, dict) else None
-
-
-def calibrated_frontend_delay(path: str | Path) -> float:
-    """The per-request front-end delay a calibration file records (0 when it has none: a step-level fit)."""
-    cfg = read_calibration_file(path)
-    return float(cfg.get("frontend_delay_s") or 0.0) if isinstance(cfg, dict) else 0.0
-
-
-def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | None = None,
-                     hardware: HardwareSpec | Mapping[str, Any] | None = None,
-                     allow_mismatch: bool = False) -> LinearCostModel | RooflineCostModel:
-    """The cost model a calibration file describes; a roofline file needs ``model`` and ``hardware`` (it
-    interpolates the run's) unless it spells them out. A file fitted for another model or hardware than the
-    run's is refused (its step times would silently be another machine's) unless ``allow_mismatch``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"cost_model.path={str(path)!r}: no such calibration file (an experiments.calibrate output)")
-    cfg = read_calibration_file(path)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a mapping, got {type(cfg).__name__}")
-    fitted_for = cfg.pop("fitted_for", None) or {}
-    cfg.pop("frontend_delay_s", None)  # the loop's, not the cost model's (calibrated_frontend_delay)
-    cfg.pop("step_noise", None)  # the executor's (calibrated_step_noise)
-    for key, given in (("model", model), ("hardware", hardware)):
-        if key == "model" and isinstance(given, Mapping) and given.get("path"):
-            given = as_model_spec(given)  # a checkpoint's name is its directory's, as calibrate recorded it
-        name = getattr(given, "name", None) or (given.get("name") if isinstance(given, Mapping) else None)
-        if fitted_for.get(key) and name and name != fitted_for[key] and not allow_mismatch:
-            raise ValueError(f"cost_model.path={str(path)!r} was fitted for {key}={fitted_for[key]}, this run has "
-                             f"{key}={name}; calibrate for it, or set cost_model.allow_mismatch=true")
-    target = cfg.get("_target_")
-    if target == LINEAR_TARGET:
-        return LinearCostModel.from_mapping(cfg)
-    if target != ROOFLINE_TARGET:
-        raise ValueError(f"{path}: _target_={target!r}; expected {LINEAR_TARGET!r} or {ROOFLINE_TARGET!r}")
-    cfg.pop("_target_")
-    specs = {}
-    for key, given in (("model", model), ("hardware", hardware)):
-        in_file = cfg.pop(key, None)
-        specs[key] = given if given is not None else in_file if isinstance(in_file, Mapping) else None
-        if specs[key] is None:
-            raise ValueError(f"{path}: {key}={in_file!r} is not a spec; pass {key}= to load_calibration")
-    check_keys(f"{path}", cfg, ROOFLINE_PARAMS)
-    return RooflineCostModel(specs["model"], specs["hardware"], **cfg)
-
-
 # ---- calibration from request-level timings (a server seen as a black box) --------------------------------------
 SAMPLE_KINDS = ("ttft", "itl", "step")
-DEFAULT_TOLERANCE = 0.25  # client-side timing jitter allowed, as a fraction of one step
 
 
 @dataclass(frozen=True)
@@ -470,167 +325,6 @@ class RequestSample:
     def __post_init__(self) -> None:
         if self.kind not in SAMPLE_KINDS:
             raise ValueError(f"RequestSample.kind={self.kind!r}; allowed: {list(SAMPLE_KINDS)}")
-
-
-def prefill_steps(prompt_len: int, cached: int = 0, chunk: int | None = None) -> tuple[StepFeatures, ...]:
-    """The steps of one request's prefill alone on a server: chunks of at most ``chunk`` tokens (None: one step)
-    after ``cached`` prefix-cache hits (a fully cached prompt still computes its last token)."""
-    c = min(max(0, int(cached)), prompt_len - 1)
-    steps, left = [], prompt_len - c
-    while left > 0:
-        n = left if chunk is None else min(left, chunk)
-        steps.append(StepFeatures(num_seqs=1, num_batched_tokens=n, num_prefill_seqs=1, num_prefill_tokens=n,
-                                  attention_pairs=n * c + n * (n + 1) // 2, prefill_kv_tokens=c + n,
-                                  max_context_len=c + n))
-        c, left = c + n, left - n
-    return tuple(steps)
-
-
-def _decode_step(contexts: Sequence[int]) -> StepFeatures:
-    b = len(contexts)
-    return StepFeatures(num_seqs=b, num_batched_tokens=b, num_decode_seqs=b, kv_tokens_read=int(sum(contexts)),
-                        max_context_len=int(max(contexts)))
-
-
-def _col(cols: Mapping[str, np.ndarray], name: str, n: int, default: float) -> np.ndarray:
-    v = cols.get(name)
-    if v is None:
-        return np.full(n, default, dtype=float)
-    v = np.asarray(v, dtype=float)
-    return np.where(np.isnan(v), default, v)
-
-
-def request_samples(requests: Mapping[str, np.ndarray], tokens: Mapping[str, np.ndarray],
-                    prefill_chunk: int | None = None, tolerance: float = DEFAULT_TOLERANCE,
-                    source: str = "") -> list[RequestSample]:
-    """The step durations a run's request-level timings imply (requests.csv and tokens.csv columns, as read by
-    ``core.output.read_requests_csv`` / ``read_tokens_csv``): the calibration data of a server without steps.csv.
-
-    Assumptions (a server this does not describe gives wrong samples, not an error):
-
-    - the server serves only these requests (no other client), one replica (or the ``replica`` column says which);
-    - it runs in steps; a decode step gives every running request exactly one token (no speculative decoding, no
-      multi-token steps), and a token reaches the client at the end of its step; a streamed event carrying k
-      tokens spans k steps;
-    - a request alone on the server is prefilled right away, in chunks of ``prefill_chunk`` tokens (the server's
-      token budget per step; None: one step), after the ``cached_tokens`` the server reported;
-    - no batching across requests the client sees as isolated; no preemption (rows with ``num_preemptions`` > 0,
-      and requests that did not finish, make every sample they overlap unusable).
-
-    Samples:
-
-    - ``ttft``: a request whose [arrival, first token] no other request overlaps: TTFT = its prefill steps + a fixed
-      per-request overhead (HTTP, tokenisation, client; fitted as its own term).
-    - ``itl``: a gap between two output events of a request while the set of requests on the server is fixed and
-      every one of them is decoding (first token before the gap, finish after it): one decode step per token of
-      the later event, of batch = those requests, each attending to its prompt + the tokens it had so far. The
-      gaps of one step seen by b requests weigh 1/b each.
-
-    ``tolerance``: the client-side jitter allowed when telling which events belong to the same step, as a fraction
-    of one step (a request whose first token or finish lies that close to a gap's ends counts as in the same step).
-    """
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                      or prefill_chunk < 1):
-        raise ValueError(f"calibrate.prefill_chunk={prefill_chunk!r}; allowed: an integer >= 1 or null")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 <= tolerance < 0.5:
-        raise ValueError(f"calibrate.tolerance={tolerance!r}; allowed: a number in [0, 0.5)")
-    missing = sorted({"id", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "status"} - set(requests))
-    missing += sorted({"request_id", "index", "time_s", "num_tokens"} - set(tokens))
-    if missing:
-        raise ValueError(f"{source or 'run'}: requests.csv / tokens.csv lack columns {missing}")
-    ids = [str(x) for x in requests["id"]]
-    n = len(ids)
-    arrival = np.asarray(requests["arrival_s"], dtype=float)
-    first = np.asarray(requests["first_token_s"], dtype=float)
-    finish = np.asarray(requests["finish_s"], dtype=float)
-    prompt = np.asarray(requests["prompt_tokens"], dtype=np.int64)
-    cached = _col(requests, "cached_tokens", n, 0.0).astype(np.int64)
-    preempted = _col(requests, "num_preemptions", n, 0.0) > 0
-    replica = _col(requests, "replica", n, 0.0).astype(np.int64)
-    warmup = _col(requests, "warmup", n, 0.0) > 0
-    finished = np.array([str(s) == "FINISHED" for s in requests["status"]], dtype=bool)
-    end = np.where(np.isfinite(finish), finish, np.inf)  # a request still open at the end overlaps all after it
-
-    # output events per request: times and token counts, in order
-    pos = {rid: i for i, rid in enumerate(ids)}
-    ev_rows: list[list[tuple[int, float, int]]] = [[] for _ in range(n)]
-    for rid, idx, t, k in zip(tokens["request_id"], tokens["index"], tokens["time_s"], tokens["num_tokens"],
-                              strict=True):
-        i = pos.get(str(rid))
-        if i is not None:
-            ev_rows[i].append((int(idx), float(t), int(k)))
-    ev_times, ev_cum = [], []  # per request: event times, tokens received up to and including each event
-    for rows in ev_rows:
-        rows.sort()
-        ev_times.append(np.array([t for _, t, _ in rows], dtype=float))
-        ev_cum.append(np.cumsum([k for _, _, k in rows], dtype=np.int64))
-    good = finished & ~preempted & np.isfinite(first) & np.isfinite(finish) & \
-        np.array([len(t) > 0 for t in ev_times], dtype=bool)
-
-    samples: list[RequestSample] = []
-    for r in np.unique(replica):
-        members = np.flatnonzero(replica == r)
-        members = members[np.argsort(arrival[members], kind="stable")]
-        arr_m, end_m = arrival[members], end[members]
-        for pos_i, i in enumerate(members):
-            if not good[i] or warmup[i]:
-                continue
-            # every other request on this replica whose [arrival, end] meets i's
-            hi = np.searchsorted(arr_m, end[i], side="right")
-            near = np.flatnonzero(end_m[:hi] >= arrival[i])
-            cand = members[near[near != pos_i]]
-            c_arr, c_end, c_first = arrival[cand], end[cand], first[cand]
-            c_good = good[cand]
-            label = f"{source}:{ids[i]}" if source else ids[i]
-            # -- isolated TTFT: nothing else on the server from its arrival to its first token
-            if np.all((c_end <= arrival[i]) | (c_arr >= first[i])):
-                steps = prefill_steps(int(prompt[i]), int(cached[i]), prefill_chunk)
-                ttft = first[i] - arrival[i]
-                if ttft > 0:
-                    samples.append(RequestSample(steps, float(ttft), "ttft", 1.0, label))
-            # -- inter-token gaps while the batch is fixed and all of it decodes
-            t, cum = ev_times[i], ev_cum[i]
-            if len(t) < 2:
-                continue
-            ta, tb = t[:-1], t[1:]
-            k = np.diff(cum)  # steps spanned by each gap = tokens of its later event
-            q = cum[:-1]  # tokens i had before the gap's first step
-            with np.errstate(divide="ignore", invalid="ignore"):
-                delta = tolerance * (tb - ta) / k
-            usable = (tb > ta) & (k >= 1)
-            if len(cand):
-                lo, hi_t = (ta + delta)[:, None], (tb - delta)[:, None]
-                disjoint = (c_end[None, :] <= lo) | (c_arr[None, :] >= hi_t)
-                through = c_good[None, :] & (c_first[None, :] <= lo) & (c_end[None, :] >= hi_t)
-                usable &= np.all(disjoint | through, axis=1)
-                # tokens each co-running request had received by the gap's start (+ jitter)
-                had = np.stack([_tokens_by(ev_times[j], ev_cum[j], ta + delta) for j in cand], axis=1)
-            for g in np.flatnonzero(usable):
-                others = [] if not len(cand) else [int(prompt[j] + had[g, m]) for m, j in enumerate(cand)
-                                                   if through[g, m]]
-                base = [int(prompt[i] + q[g])] + others
-                steps = tuple(_decode_step([x + s for x in base]) for s in range(int(k[g])))
-                samples.append(RequestSample(steps, float(tb[g] - ta[g]), "itl", 1.0 / len(base), label))
-    return samples
-
-
-def _tokens_by(times: np.ndarray, cum: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Tokens received by each time in ``t`` (events at ``times`` carrying ``cum`` tokens in all so far)."""
-    idx = np.searchsorted(times, t, side="right")
-    return np.where(idx > 0, cum[np.maximum(idx - 1, 0)] if len(cum) else 0, 0)
-
-
-def request_samples_from_run(run_dir: str | Path, prefill_chunk: int | None = None,
-                             tolerance: float = DEFAULT_TOLERANCE) -> list[RequestSample]:
-    """``request_samples`` of a run directory (its requests.csv and tokens.csv; steps.csv is not needed)."""
-    from core.output import has_table, read_requests, read_tokens
-
-    d = Path(run_dir)
-    for name in ("requests", "tokens"):
-        if not has_table(d, name):
-            raise ValueError(f"calibrate.runs: no {name}.csv (or .parquet) in {d} (a run directory: "
-                             "experiments.serving.loadgen, .run, .serve; tokens need output.tokens=all)")
-    return request_samples(read_requests(d), read_tokens(d), prefill_chunk, tolerance, source=d.name)
 
 
 @dataclass

@@ -9,9 +9,15 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from core.batch import StepFeatures
+from core.output import read_step_features
 from core.records import StepRecord
 from core.specs import HardwareSpec, ModelSpec
-from sim.calibration import (
+from experiments.calibration.samples import prefill_steps, request_samples
+from sim.cost.base import decode_features, prefill_features
+from sim.cost.calibrated import load_calibration, write_calibration
+from sim.cost.linear import LinearCostModel
+from sim.cost.roofline import RooflineCostModel
+from sim.fit import (
     LINEAR_TERMS,
     OpGroupCost,
     RequestSample,
@@ -21,16 +27,8 @@ from sim.calibration import (
     fit_linear,
     fit_linear_requests,
     fit_roofline,
-    load_calibration,
-    prefill_steps,
     report,
-    request_samples,
-    steps_from_csv,
-    write_calibration,
 )
-from sim.cost.base import decode_features, prefill_features
-from sim.cost.linear import LinearCostModel
-from sim.cost.roofline import RooflineCostModel
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -194,7 +192,7 @@ def test_steps_from_csv_round_trip(tmp_path):
     F = random_steps(6, seed=12)
     records = [StepRecord(i % 2, 0.1 * i, 0.01 + i * 1e-3, f, 3, 0) for i, f in enumerate(F)]
     write_steps(tmp_path / "steps.csv", records)
-    feats, durations, replicas = steps_from_csv(tmp_path / "steps.csv")
+    feats, durations, replicas = read_step_features(tmp_path / "steps.csv")
     assert feats == F
     np.testing.assert_allclose(durations, [r.duration_s for r in records])
     np.testing.assert_array_equal(replicas, [0, 1, 0, 1, 0, 1])
@@ -203,12 +201,12 @@ def test_steps_from_csv_round_trip(tmp_path):
 def test_steps_from_csv_errors(tmp_path):
     (tmp_path / "a.csv").write_text("replica,start_s,duration_s\n0,0,1\n")
     with pytest.raises(ValueError, match="missing columns.*num_prefill_tokens"):
-        steps_from_csv(tmp_path / "a.csv")
+        read_step_features(tmp_path / "a.csv")
     write_steps(tmp_path / "b.csv", [StepRecord(0, 0.0, 0.01, prefill_features(4), 1, 0)])
     text = (tmp_path / "b.csv").read_text().replace("0.01", "fast")
     (tmp_path / "b.csv").write_text(text)
     with pytest.raises(ValueError, match="b.csv:2"):
-        steps_from_csv(tmp_path / "b.csv")
+        read_step_features(tmp_path / "b.csv")
 
 
 def test_bad_inputs_are_named():
