@@ -23,34 +23,28 @@ efficiencies, and the output directory gets:
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from core.batch import Batch, StepFeatures
+from core.batch import StepFeatures
 from core.checks import check_bool
-from core.output import read_step_features
-from core.request import Status
-from core.shapes import ShapedBatch, admit_chunk, shape_blocks
 from experiments.build import (
-    build_executors,
-    build_replicas,
     engine_clock,
     hardware_spec,
     model_spec,
-    num_kv_blocks,
-    spec_method,
 )
+from experiments.calibration.grid import AUTO
+from experiments.calibration.profile import StepSource, read_profile, run_profile, run_steps
 from experiments.calibration.samples import DEFAULT_TOLERANCE, request_samples_from_run
 from experiments.cli import user_errors
 from sim.cost.calibrated import write_calibration
@@ -68,251 +62,15 @@ from sim.fit import (
 from sim.noise import record_step_noise
 
 log = logging.getLogger(__name__)
-
-GRID_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts", "mixed_chunks",
-             "mixed_decodes", "mixed_context", "verify_drafts")
-AUTO = "auto"
-AUTO_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts")
 FITS = ("linear", "roofline")
 CV_FOLDS = 5
 LINEAR_TARGETS = ("mean", "relative")
 MEAN_FIT_ITERATIONS = 3
 
 
-@dataclass(frozen=True)
-class Shape:
-    """One profiled step: prefill chunks as (cached tokens, chunk tokens) and decodes as the context each attends
-    to (its new token included)."""
-
-    group: str  # prefill | decode | mixed | verify
-    label: str
-    prefills: tuple[tuple[int, int], ...] = ()
-    decodes: tuple[int, ...] = ()
-    drafts: int = 0  # verify: draft tokens each decode verifies (speculative decoding)
-
-    def blocks(self, block_size: int) -> int:
-        return shape_blocks(self.prefills, [t + self.drafts for t in self.decodes], block_size)
-
-
-@dataclass
-class ProfileRow:
-    shape: Shape
-    features: StepFeatures
-    samples: list[float]
-
-    @property
-    def median_s(self) -> float:
-        """The median sample (the lower of the two middle ones for an even count: a sample that was measured,
-        at the features the row records)."""
-        return float(sorted(self.samples)[(len(self.samples) - 1) // 2])
-
-
-def _ints(grid: Mapping[str, Any], key: str, lo: int) -> list[int]:
-    v = grid.get(key, [])
-    vals = [v] if isinstance(v, int) else list(v or [])
-    if any(isinstance(x, bool) or not isinstance(x, int) or x < lo for x in vals):
-        raise ValueError(f"calibrate.grid.{key}={vals!r}; allowed: integers >= {lo}, or auto")
-    return vals
-
-
-def geometric(lo: int, hi: int, ratio: int) -> list[int]:
-    """lo, lo*ratio, lo*ratio², ... below ``hi``, then ``hi`` itself ([] when hi < lo)."""
-    out, x = [], lo
-    while x < hi:
-        out.append(x)
-        x *= ratio
-    return out + [hi] if hi >= lo else out
-
-
-def auto_grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, list[int]]:
-    """What ``auto`` stands for in ``calibrate.grid``: the whole range a run of this model and scheduler reaches.
-
-    - prefill_lens: 8, 16, 32, ... up to the scheduler's token budget (a step's prefill never exceeds it);
-    - prefill_cached: 0, 128, 512, 2048, ... (x4) up to max_model_len minus the budget (the context a chunk of a
-      long prompt, or a suffix after a prefix-cache hit, attends to);
-    - decode_batch_sizes: 1, 2, 4, ... up to max_num_seqs;
-    - decode_contexts: 32, 128, 512, ... (x4) up to max_model_len.
-    """
-    budget = min(max_num_batched_tokens, max_model_len)
-    return {"prefill_lens": geometric(8, budget, 2),
-            "prefill_cached": [0] + geometric(128, max_model_len - budget, 4),
-            "decode_batch_sizes": geometric(1, max_num_seqs, 2),
-            "decode_contexts": geometric(32, max_model_len, 4)}
-
-
-def resolve_grid(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int | None = None) -> dict[str, Any]:
-    """``grid`` with every ``auto`` value replaced (``auto_grid``); auto needs the scheduler limits."""
-    grid = dict(grid)
-    unknown = sorted(set(grid) - set(GRID_KEYS))
-    if unknown:
-        raise ValueError(f"calibrate.grid: unknown keys {unknown}; allowed: {list(GRID_KEYS)}")
-    autos = [k for k, v in grid.items() if v == AUTO]
-    if autos:
-        bad = sorted(set(autos) - set(AUTO_KEYS))
-        if bad:
-            raise ValueError(f"calibrate.grid.{bad[0]}=auto is not supported; auto applies to {list(AUTO_KEYS)}")
-        if max_num_batched_tokens is None or max_num_seqs is None:
-            raise ValueError("calibrate.grid: auto values need the scheduler's max_num_batched_tokens and max_num_seqs")
-        grid.update({k: v for k, v in auto_grid(max_model_len, max_num_batched_tokens, max_num_seqs).items()
-                     if k in autos})
-    return grid
-
-
-def grid_plan(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tokens: int | None = None,
-              max_num_seqs: int | None = None, max_blocks: int | None = None,
-              block_size: int = 16) -> tuple[list[Shape], list[str]]:
-    """The profile's shapes and a note per shape left out: prefill lens x cached context, decode batch x context,
-    and mixed steps (one chunk after ``mixed_context`` cached tokens plus decodes at ``mixed_context``).
-
-    A single value beyond ``max_model_len`` is an error; a combination beyond it (a chunk after a long cached
-    context) is skipped, as is a shape needing more KV blocks than ``max_blocks`` (the run's KV pool: a batch that
-    big never happens there)."""
-    grid = resolve_grid(grid, max_model_len, max_num_batched_tokens, max_num_seqs)
-    lens, cached = _ints(grid, "prefill_lens", 1), _ints(grid, "prefill_cached", 0) or [0]
-    batches, contexts = _ints(grid, "decode_batch_sizes", 1), _ints(grid, "decode_contexts", 2)
-    chunks, mixed_dec = _ints(grid, "mixed_chunks", 1), _ints(grid, "mixed_decodes", 1)
-    mixed_ctx = _ints(grid, "mixed_context", 2) or [256]
-    if len(mixed_ctx) != 1:
-        raise ValueError(f"calibrate.grid.mixed_context={mixed_ctx}; allowed: one integer >= 2")
-    ctx = mixed_ctx[0]
-    for key, vals, extra in (("prefill_lens", lens, 0), ("decode_contexts", contexts, 0),
-                             ("mixed_context", mixed_ctx, 0), ("prefill_cached", cached, 1)):
-        too_long = [v for v in vals if v + extra > max_model_len]
-        if too_long:
-            raise ValueError(f"calibrate.grid.{key}: {too_long} needs more positions than the model's "
-                             f"max_model_len {max_model_len}")
-    shapes = [Shape("prefill", f"n={n},c={c}", prefills=((c, n),)) for c in cached for n in lens]
-    shapes += [Shape("decode", f"b={b},ctx={t}", decodes=(t,) * b) for b in batches for t in contexts]
-    shapes += [Shape("mixed", f"n={n},c={ctx},b={b},ctx={ctx}", prefills=((ctx, n),), decodes=(ctx,) * b)
-               for n in chunks for b in mixed_dec]
-    shapes += [Shape("verify", f"b={b},ctx={t},k={k}", decodes=(t,) * b, drafts=k)
-               for k in _ints(grid, "verify_drafts", 1) for b in batches for t in contexts]
-    if not shapes:
-        raise ValueError("calibrate.grid describes no shapes; give prefill_lens and/or decode_batch_sizes x "
-                         "decode_contexts")
-    kept, notes = [], []
-    for s in shapes:
-        longest = max([c + n for c, n in s.prefills] + [t + s.drafts for t in s.decodes])
-        if longest > max_model_len:
-            notes.append(f"{s.group} {s.label}: {longest} positions > max_model_len {max_model_len}")
-        elif max_blocks is not None and s.blocks(block_size) > max_blocks:
-            notes.append(f"{s.group} {s.label}: {s.blocks(block_size)} KV blocks > the pool's {max_blocks}")
-        else:
-            kept.append(s)
-    if not kept:
-        raise ValueError(f"calibrate.grid: no shape fits ({'; '.join(notes[:3])}, ...)")
-    return kept, notes
-
-
-def grid_shapes(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tokens: int | None = None,
-                max_num_seqs: int | None = None, max_blocks: int | None = None, block_size: int = 16) -> list[Shape]:
-    """``grid_plan``'s shapes."""
-    return grid_plan(grid, max_model_len, max_num_batched_tokens, max_num_seqs, max_blocks, block_size)[0]
-
-
-def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: int = 2, seed: int = 0,
-            progress: bool = False) -> list[ProfileRow]:
-    """Time every shape on the configured backend (one replica, a KV pool sized for the largest shape), shapes in
-    a seeded random order.
-
-    A shape's executions run like consecutive steps of a run: its decodes stay admitted and each execution
-    decodes one more token of each (an engine keeps their KV copies from step to step and appends, as it does
-    in a run, instead of gathering every context anew), its prefill chunks are admitted afresh each time. The
-    decodes start a few tokens short so that the row's features, those of the median execution, have the
-    shape's contexts (a context near max_model_len is moved down to leave the room)."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"calibrate.repeats={repeats} must be >= 1 and calibrate.warmup={warmup} >= 0")
-    spec = model_spec(cfg)
-    runs, mid = warmup + repeats, warmup + (repeats - 1) // 2
-
-    def start(t: int) -> int:  # a decode's first context: `mid` executions later it is t (or as near as fits)
-        return max(2, min(t - mid, spec.max_model_len - (runs - 1)))
-
-    bs = int(cfg.kv.block_size)
-    num_blocks = max(shape_blocks(s.prefills, [start(t) + runs - 1 + s.drafts for t in s.decodes], bs)
-                     for s in shapes)
-    one = OmegaConf.merge(cfg, {"replicas": 1, "kv": {"num_blocks": num_blocks}})
-    replica = build_replicas(one, spec, num_blocks)[0]
-    executor = build_executors(one, spec, [replica])[0]
-    kv = replica.kv
-    samples: list[list[float]] = [[] for _ in shapes]
-    features: list[StepFeatures | None] = [None] * len(shapes)
-    for n, i in enumerate(np.random.default_rng(seed).permutation(len(shapes)).tolist()):
-        s = shapes[i]
-        shaped = ShapedBatch(s.prefills, [start(t) for t in s.decodes], name=f"profile{i}", num_draft_tokens=s.drafts)
-        batch = shaped.admit(kv)
-        for r in range(runs):  # back to back, like the consecutive steps of a run
-            if r:
-                batch = _next_step(shaped, kv)
-            if r == mid:
-                features[i] = batch.features
-            out = executor.execute(batch)
-            if r >= warmup:
-                samples[i].append(float(out.duration_s))
-        shaped.release(kv)
-        for st in shaped.states:
-            executor.release(st.id)
-        if progress and (n + 1) % 10 == 0:
-            log.info(f"profiled {n + 1}/{len(shapes)} shapes")
-    return [ProfileRow(s, f, x) for s, f, x in zip(shapes, features, samples, strict=True)]
-
-
-def _next_step(shaped: ShapedBatch, kv: Any) -> Batch:
-    """The shape's next step: each prefill chunk admitted afresh, each decode one token further."""
-    chunks = []
-    k = len(shaped.prefills)
-    for st, (c, n) in zip(shaped.states[:k], shaped.prefills, strict=True):
-        kv.free(st, 0.0)
-        st.status = Status.WAITING
-        chunks.append(admit_chunk(kv, st, c, n))
-    for st in shaped.states[k:]:
-        st.output_token_ids.append(0)
-        chunks.append(admit_chunk(kv, st, st.num_computed_tokens + 1, 1, num_draft_tokens=shaped.num_draft_tokens))
-    return Batch(chunks)
-
-
-def write_profile(path: str | Path, rows: Sequence[ProfileRow]) -> Path:
-    path = Path(path)
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh, lineterminator="\n")
-        w.writerow(["group", "shape", "repeats", "median_s", "min_s", "max_s", *StepFeatures.names()])
-        for r in rows:
-            w.writerow([r.shape.group, r.shape.label, len(r.samples), repr(r.median_s), repr(min(r.samples)),
-                        repr(max(r.samples)), *astuple(r.features)])
-    return path
-
-
-StepSource = str | Path | tuple[str | Path, int]
-
-
-def run_steps(sources: Sequence[StepSource]) -> tuple[list[StepFeatures], np.ndarray]:
-    """Measured steps of earlier runs: run directories or steps.csv files, or (path, n) for the first n steps.
-    Steps without a positive duration are dropped (they carry no timing)."""
-    feats: list[StepFeatures] = []
-    durs: list[float] = []
-    for src in sources:
-        p, limit = (src if isinstance(src, tuple) else (src, None))
-        p = Path(p)
-        csv_path = p / "steps.csv" if p.is_dir() else p
-        if not csv_path.is_file() and not csv_path.with_suffix(".parquet").is_file():  # either format
-            raise ValueError(f"calibrate.steps: no steps.csv at {p}")
-        f, d, _ = read_step_features(csv_path)
-        keep = [i for i, x in enumerate(d.tolist()[:limit]) if x > 0 and math.isfinite(x)]
-        feats += [f[i] for i in keep]
-        durs += [float(d[i]) for i in keep]
-    return feats, np.asarray(durs, dtype=float)
-
-
 def group_of(f: StepFeatures) -> str:
     """``StepFeatures.kind``, an empty step counted as a decode (the calibration data's groups)."""
     return "decode" if f.kind == "empty" else f.kind
-
-
-def draft_length(cfg: DictConfig) -> int:
-    """The drafts per decode a speculation policy asks for at most (``k``, else ``max_k``; 4 if it names neither)."""
-    policy = cfg.spec.policy
-    return int(policy.get("k", policy.get("max_k", 4)))
 
 
 @dataclass
@@ -370,54 +128,6 @@ def fit_all(cfg: DictConfig, features: Sequence[StepFeatures], durations: np.nda
         models["roofline"], reports["roofline"] = fit_roofline(features, durations, model_spec(cfg),
                                                                hardware_spec(cfg), labels=labels)
     return models, reports
-
-
-def config_grid(cfg: DictConfig) -> tuple[list[Shape], list[str], dict[str, Any]]:
-    """``calibrate.grid`` for this config: (shapes, notes on the shapes left out, the grid with auto resolved).
-    Auto values follow the model's max_model_len and the scheduler's limits; shapes beyond the KV pool
-    (``kv.num_blocks``, else what ``kv.memory_bytes`` or the hardware holds) are left out."""
-    spec, sched = model_spec(cfg), cfg.scheduler
-    grid = OmegaConf.to_container(cfg.calibrate.grid, resolve=True)
-    if grid.get("verify_drafts") == AUTO:  # the draft length of the run's speculative decoding; none without it
-        grid["verify_drafts"] = [draft_length(cfg)] if spec_method(cfg) else []
-    limits = (spec.max_model_len, int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
-    pool = num_kv_blocks(cfg, spec, hardware_spec(cfg))
-    shapes, notes = grid_plan(grid, *limits, max_blocks=pool, block_size=int(cfg.kv.block_size))
-    return shapes, notes, resolve_grid(grid, *limits)
-
-
-def run_profile(cfg: DictConfig, out_dir: str | Path) -> Path:
-    """Profile ``calibrate.grid`` on the configured backend into ``<out_dir>/profile.csv`` (and the resolved grid,
-    with the shapes left out, into ``grid.json`` beside it)."""
-    c = cfg.calibrate
-    shapes, notes, grid = config_grid(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grid.json").write_text(json.dumps({"grid": grid, "num_shapes": len(shapes), "skipped": notes},
-                                              indent=2) + "\n")
-    if notes:
-        log.info(f"calibrate: {len(shapes)} shapes; {len(notes)} left out (see grid.json), e.g. {notes[0]}")
-    rows = profile(cfg, shapes, int(c.repeats), int(c.warmup), int(c.seed), bool(c.get("progress", False)))
-    return write_profile(out / "profile.csv", rows)
-
-
-def read_profile(path: str | Path) -> tuple[list[StepFeatures], list[float], list[str]]:
-    """(features, median seconds, group) per row of a profile.csv."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"calibrate.profile_from: no profile.csv at {path}")
-    feats, durs, groups = [], [], []
-    with open(path, newline="") as fh:
-        for line, row in enumerate(csv.DictReader(fh), start=2):
-            try:
-                # num_draft_tokens came with speculative decoding: older profiles have none (0)
-                feats.append(StepFeatures(**{k: int(row[k] if k != "num_draft_tokens" else row.get(k) or 0)
-                                             for k in StepFeatures.names()}))
-                durs.append(float(row["median_s"]))
-                groups.append(row["group"])
-            except (KeyError, ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{line}: not a profile row ({e})") from None
-    return feats, durs, groups
 
 
 def profiling(c: DictConfig) -> bool:

@@ -45,8 +45,9 @@ from omegaconf import DictConfig, OmegaConf
 from core.checks import check_int
 from core.output import has_table, read_metrics, read_step_features, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
-from experiments.calibration.calibrate import calibrate, describe, group_of, run_profile
+from experiments.calibration.calibrate import calibrate, describe, group_of
 from experiments.calibration.interleave import run_interleaved
+from experiments.calibration.profile import run_profile
 from experiments.cli import user_errors
 from experiments.overrides import apply_overrides, with_backend, with_calibration
 from experiments.run import replay, run, same_files

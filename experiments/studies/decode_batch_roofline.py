@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 from core.batch import StepFeatures
 from experiments import plots
 from experiments.build import hardware_spec, instantiate_group, model_spec, num_kv_blocks
-from experiments.calibration.calibrate import Shape, profile
+from experiments.calibration.grid import Shape
+from experiments.calibration.profile import profile
 from experiments.studies.common import Report, backends, fmt, with_section
 from sim.cost.roofline import RooflineCostModel
 from sim.fit import fit_roofline

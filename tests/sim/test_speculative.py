@@ -161,7 +161,7 @@ def test_bad_spec_config_names_the_key():
 
 
 def test_calibration_grid_has_verify_shapes_and_the_fit_prices_drafts():
-    from experiments.calibration.calibrate import config_grid
+    from experiments.calibration.grid import config_grid
     from sim.cost.base import decode_features
     from sim.fit import fit_linear
 

@@ -17,15 +17,9 @@ from omegaconf import OmegaConf
 
 from core.batch import StepFeatures
 from experiments.build import CONF_DIR, build_executors, build_replicas, engine_clock, model_spec
-from experiments.calibration.calibrate import (
-    Shape,
-    calibrate,
-    config_grid,
-    grid_plan,
-    grid_shapes,
-    profile,
-    read_profile,
-)
+from experiments.calibration.calibrate import calibrate
+from experiments.calibration.grid import Shape, config_grid, grid_plan, grid_shapes
+from experiments.calibration.profile import profile, read_profile
 from experiments.calibration.samples import request_samples_from_run
 from experiments.run import run
 from experiments.serving.server.process import ServerProcess
