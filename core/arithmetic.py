@@ -26,11 +26,9 @@ from __future__ import annotations
 import math
 
 from core.checks import check_choice, check_int
-from core.specs import ModelSpec
+from core.specs import KV_BITS, WEIGHT_BITS, ModelSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-WEIGHT_BITS = (16, 8, 4)
-KV_BITS = (16, 8)
 QUANT_SCALE_BYTES = 2  # fp16 scale per quantisation group (kernels/w4a16.py QuantizedWeight.scales)
 QUANT_ZERO_BYTES = 2  # fp16 zero point per quantisation group (QuantizedWeight.zeros; the engine always stores it)
 GROUP_BYTES = QUANT_SCALE_BYTES + QUANT_ZERO_BYTES  # metadata bytes per quantised group
@@ -39,9 +37,9 @@ KV_DTYPE_BITS = {"auto": 16, "int8": 8}  # the engine's ``kv_dtype`` names -> kv
 
 
 def check_quant(weight_bits: int, kv_bits: int, group_size: int) -> None:
-    check_choice(weight_bits, "cost_model.weight_bits", WEIGHT_BITS)
-    check_choice(kv_bits, "cost_model.kv_bits", KV_BITS)
-    check_int(group_size, "cost_model.group_size", 1)
+    check_choice(weight_bits, "quant.weight_bits", WEIGHT_BITS)
+    check_choice(kv_bits, "quant.kv_bits", KV_BITS)
+    check_int(group_size, "quant.group_size", 1)
 
 
 def kv_bits_of(kv_dtype: str) -> int:

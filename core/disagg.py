@@ -30,27 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from core.checks import check_float
 from core.interfaces import Executor, KVTransport, Placement, ReplicaView, Router, Workload
 from core.loop import Idle, Process, ServingLoop, Sleep
 from core.metrics import DEFAULT_PERCENTILES, stats
 from core.replica import Replica
 from core.request import Request, RequestState, Status
-
-
-@dataclass(frozen=True)
-class Link:
-    """A KV link as the simulator prices it: ``bytes / bandwidth + latency`` seconds per transfer."""
-
-    bandwidth_bytes_s: float
-    latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_float(self.bandwidth_bytes_s, "cluster.link_bandwidth_bytes_s", 0.0, strict=True)
-        check_float(self.latency_s, "cluster.link_latency_s", 0.0)
-
-    def seconds(self, num_bytes: float) -> float:
-        return num_bytes / self.bandwidth_bytes_s + self.latency_s
 
 
 @dataclass(slots=True, eq=False)

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from core.batch import BlockCopy
-from core.checks import check_float, check_int
+from core.checks import check_int
 from core.interfaces import Block, EvictionPolicy
+from core.links import Link
 
 
 @dataclass(slots=True)
@@ -50,25 +51,12 @@ class HostTierStats:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class HostLink:
-    """The device <-> host link the simulator prices copies on. Copies are serialised with the step (added to its
-    duration), each direction used in a step pays ``latency_s`` once plus its bytes at ``bandwidth``: a simple,
-    conservative model (a real engine may overlap copies with compute on another stream)."""
-
-    bandwidth: float  # bytes/s per direction
-    latency_s: float
-    bytes_per_block: float
-
-    def __post_init__(self) -> None:
-        check_float(self.bandwidth, "hardware.host_link_bw", strict=True)
-        check_float(self.latency_s, "hardware.host_link_latency_s")
-
-    def copy_time(self, copies: Sequence[BlockCopy]) -> float:
-        out = sum(1 for c in copies if c.to_host)
-        back = len(copies) - out
-        per_block = self.bytes_per_block / self.bandwidth
-        return sum(self.latency_s + n * per_block for n in (out, back) if n)
+def copy_seconds(copies: Sequence[BlockCopy], link: Link, bytes_per_block: float) -> float:
+    """What the simulator charges a step for its host-tier copies, serialised with the step (added to its duration):
+    each direction used pays the link's latency once plus its bytes: a simple, conservative model (a real engine may
+    overlap copies with compute on another stream)."""
+    out = sum(1 for c in copies if c.to_host)
+    return sum(link.seconds(n * bytes_per_block) for n in (out, len(copies) - out) if n)
 
 
 class HostTier:

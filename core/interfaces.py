@@ -289,6 +289,10 @@ class Executor(Protocol):
     Everything the serving loop (``core.loop``) uses is declared here; ``BaseExecutor`` has the defaults.
     """
 
+    copy_s: float
+    """Seconds of host-tier block copies inside the steps so far (measured by the engine, priced by the simulator;
+    0 without a host tier): metrics.json's ``host_tier.copy_s``."""
+
     stopwatch: Callable[[], float] | None
     """How a measuring executor reads time (e.g. ``time.perf_counter``); the loop times ``schedule()`` with it
     and adds that to the step, so a measured step runs from one schedule() to the next. None: the duration is
@@ -326,6 +330,7 @@ class BaseExecutor:
     """No-op defaults for the optional parts of ``Executor``: a predicting executor, nothing kept per request."""
 
     stopwatch: Callable[[], float] | None = None
+    copy_s: float = 0.0
     predicts_decodes: bool = False  # every step goes through execute() (see Executor.predicts_decodes)
 
     def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:

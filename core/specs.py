@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from core.checks import check_choice, check_keys
+from core.checks import check_choice, check_int, check_keys
 
+WEIGHT_BITS = (16, 8, 4)  # stored weight widths (16: the model dtype)
+KV_BITS = (16, 8)  # stored KV widths (16: the model dtype; 8: int8 with float32 scales)
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
@@ -112,9 +114,9 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ModelSpec:
-        """A ``model`` config group: the checkpoint's config.json when ``path`` is set (the group's ``dtype``, when
-        it sets one, overrides the checkpoint's), else the group's own fields. Every consumer of a model config
-        (pool sizing, the engine, cost models, metrics) goes through this, so they all see the same shapes."""
+        """A ``model`` config group: the checkpoint's config.json when ``path`` is set, in the group's ``dtype`` when
+        it sets one (``conf/model/checkpoint.yaml``, what ``model=DIR`` selects, leaves it null: the checkpoint's own
+        dtype), else the group's own fields. The entry points parse it once (``experiments.config.RunConfig``)."""
         if cfg.get("path"):
             spec = cls.from_pretrained(cfg["path"])
             return cls.from_mapping({**spec.to_dict(), "dtype": cfg.get("dtype") or spec.dtype})
@@ -156,3 +158,20 @@ class HardwareSpec:
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> HardwareSpec:
         return _from_mapping(cls, cfg)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How weights and KV are stored (the ``quant`` section), read by both backends: the engine stores them so, the
+    cost models price them, the pool is sized with them. weight_bits 16: the model dtype; 4: group-wise W4A16 (a
+    16-bit scale and zero point per ``group_size`` weights); 8: a what-if the simulator prices and the engine
+    refuses. kv_bits 16: the model dtype; 8: int8 KV with a float32 scale per token and KV head."""
+
+    weight_bits: int = 16
+    group_size: int = 128
+    kv_bits: int = 16
+
+    def __post_init__(self) -> None:
+        check_choice(self.weight_bits, "quant.weight_bits", WEIGHT_BITS)
+        check_choice(self.kv_bits, "quant.kv_bits", KV_BITS)
+        check_int(self.group_size, "quant.group_size", 1)

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.batch import Batch, Chunk
-from core.checks import check_bool, check_choice, check_float, check_fraction, check_int, check_keys
+from core.checks import check_choice
 from core.interfaces import BaseExecutor, StepOutput
-from core.specs import ModelSpec
+from core.specs import ModelSpec, QuantSpec
 from engine.attention import allocate_kv_caches
 from engine.host_pool import HostKVPool
 from engine.loader import build_model
 from engine.model import LlamaForCausalLM
+from engine.options import EngineOptions
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingParams
 from engine.speculative import DraftModelProposer, Proposer
-from kernels.cpu_gemm import CPU_GEMMS
-from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import get_kernels
 
 if TYPE_CHECKING:
@@ -134,86 +131,21 @@ def resolve_kernels(name: str, device: str | torch.device) -> str:
     return name
 
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KV_DTYPES = ("auto", "int8")
-QUANTS = (None, "w4a16")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """The engine's ``backend`` config section (``conf/backend/engine.yaml``), checked on construction: a bad value
-    fails naming ``backend.<key>``; ``from_mapping`` also rejects unknown keys. Counts given as whole floats (2.0)
-    are read as integers."""
-
-    name: str = "engine"
-    kernels: str = "auto"  # auto (triton on cuda, native on cpu) | torch | native | triton
-    device: str = "cpu"  # cpu | cuda[:i]
-    dtype: str | None = None  # None: the model's dtype (bfloat16 for an fp32 model on cuda)
-    quant: str | None = None  # None | w4a16
-    quant_group_size: int = 128  # W4A16 group (must divide the linear layers' input widths)
-    kv_dtype: str = "auto"  # auto (the model dtype) | int8
-    cpu_gemm: str = "auto"  # fp32 CPU GEMMs: auto (the faster kernel per row count) | native (one kernel, one copy)
-    greedy_screen: bool = True  # greedy tokens through an int8 screen of the LM head (same tokens; fp32, x86 CPU)
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    warmup_steps: int = 2  # untimed forward passes per executor before the run
-    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (cuda + triton; ignored elsewhere)
-    num_threads: int | None = None  # torch CPU threads; None or 0: torch's default
-    ignore_eos: bool = True  # read by the replica limits (experiments.build), not by the executor
-
-    def __post_init__(self) -> None:
-        def put(key: str, value: Any) -> None:
-            object.__setattr__(self, key, value)
-
-        check_choice(self.name, "backend.name", ("engine",))
-        check_choice(self.kernels, "backend.kernels", ("auto", *KERNEL_BACKENDS))
-        check_choice(self.dtype, "backend.dtype", [*TORCH_DTYPES, None])
-        check_choice(self.quant, "backend.quant", QUANTS)
-        put("quant_group_size", check_int(self.quant_group_size, "backend.quant_group_size", 1, whole_float=True))
-        check_choice(self.kv_dtype, "backend.kv_dtype", KV_DTYPES)
-        check_choice(self.cpu_gemm, "backend.cpu_gemm", CPU_GEMMS)
-        check_bool(self.greedy_screen, "backend.greedy_screen")
-        put("temperature", check_float(self.temperature, "backend.temperature", 0.0))
-        put("top_p", check_fraction(self.top_p, "backend.top_p"))
-        put("top_k", check_int(self.top_k, "backend.top_k", 0, whole_float=True))
-        put("warmup_steps", check_int(self.warmup_steps, "backend.warmup_steps", 0, whole_float=True))
-        check_bool(self.cuda_graphs, "backend.cuda_graphs")
-        if self.num_threads is not None:
-            put("num_threads", check_int(self.num_threads, "backend.num_threads", 0, whole_float=True))
-        check_bool(self.ignore_eos, "backend.ignore_eos")
-
-    @classmethod
-    def from_mapping(cls, backend: Mapping[str, Any]) -> EngineOptions:
-        check_keys("backend", backend, [f.name for f in fields(cls)])
-        return cls(**backend)
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        return None if self.dtype is None else TORCH_DTYPES[self.dtype]
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k)
-
-
-def build_engine_executors(spec: ModelSpec, options: EngineOptions, kv_managers: list[KVCacheManager],
-                           seed: int = 0, clock: str = "wall") -> list[EngineExecutor]:
-    """One executor per replica; the replicas share one model."""
-    group = options.quant_group_size
-    if options.quant and (spec.hidden_size % group or spec.intermediate_size % group
-                          or (spec.num_heads * spec.head_dim) % group):
-        raise ValueError(f"backend.quant_group_size={group!r} must divide the linear layers' input widths "
-                         f"(hidden {spec.hidden_size}, attention {spec.num_heads * spec.head_dim}, "
-                         f"FFN {spec.intermediate_size})")
+def build_engine_executors(spec: ModelSpec, options: EngineOptions, quant: QuantSpec,
+                           kv_managers: list[KVCacheManager], seed: int = 0,
+                           clock: str = "wall") -> list[EngineExecutor]:
+    """One executor per replica; the replicas share one model. ``quant``: W4A16 weights (weight_bits 4) and int8 KV
+    (kv_bits 8), checked against the model by ``EngineOptions.check_quant``."""
+    options.check_quant(quant, spec)
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     kernels, sampling = resolve_kernels(options.kernels, options.device), options.sampling
     model, executors = None, []
     for kv in kv_managers:
         ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=options.device,
-                                   dtype=options.torch_dtype, quant=options.quant, group_size=group,
-                                   kv_dtype=options.kv_dtype, seed=seed, sampling=sampling, model=model, clock=clock,
+                                   dtype=options.torch_dtype, quant="w4a16" if quant.weight_bits == 4 else None,
+                                   group_size=quant.group_size, kv_dtype="int8" if quant.kv_bits == 8 else "auto",
+                                   seed=seed, sampling=sampling, model=model, clock=clock,
                                    host_blocks=kv.host.num_blocks if kv.host is not None else 0,
                                    cpu_gemm=options.cpu_gemm, greedy_screen=options.greedy_screen)
         model = ex.runner.model

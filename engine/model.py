@@ -15,9 +15,9 @@ from torch import nn
 from core.checks import check_choice
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache, paged_attention
-from kernels.cpu_gemm import CPU_GEMMS, CpuLinear
+from kernels.cpu_gemm import CpuLinear
 from kernels.greedy_screen import GreedyScreen
-from kernels.ops import KernelSet
+from kernels.ops import CPU_GEMMS, KernelSet
 from kernels.rope import rope_cos_sin
 from kernels.w4a16 import QuantizedWeight, quantize_w4
 

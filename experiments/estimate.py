@@ -9,7 +9,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import hydra
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,8 +16,7 @@ from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.checks import check_bool, check_fraction, check_int, check_keys
 from core.specs import HardwareSpec, ModelSpec
-from experiments.build import CONF_DIR
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
 from sim.cost.base import as_hardware_spec, as_model_spec, decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 
@@ -158,8 +156,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return estimate(as_model_spec(cfg.model), as_hardware_spec(cfg.hardware), **cm, **opts)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="estimate", version_base="1.3")
-@user_errors
+@hydra_app("estimate")
 def main(cfg: DictConfig) -> None:
     result = run(cfg)
     print(json.dumps(result) if cfg.estimate.get("json", False) else format_table(result))

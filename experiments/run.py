@@ -9,35 +9,22 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core import arithmetic
 from core.disagg import PDServingLoop
 from core.host_tier import HostTierStats
 from core.loop import RunResult, ServingLoop
-from core.output import COMPLETE, INTERRUPTED, check_output_options, table_path, write_run
-from experiments.build import (
-    CONF_DIR,
-    MakeExecutors,
-    build_loop,
-    engine_clock,
-    kv_bits,
-    link,
-    metrics_options,
-    model_spec,
-    progress_bar,
-    stored_spec,
-)
-from experiments.cli import user_errors
+from core.output import COMPLETE, INTERRUPTED, table_path, write_run
+from experiments.build import MakeExecutors, build_loop, run_summary_options
+from experiments.cli import hydra_app
+from experiments.config import RunConfig
 from experiments.overrides import with_backend
 from sim.clock import simulate
 
@@ -49,33 +36,40 @@ COMPARED_FILES = ("requests.csv", "tokens.csv")
 PLOTS_AUTO_MAX_REQUESTS = 1000
 
 
-def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | None = None,
+def run(cfg: DictConfig | RunConfig, out_dir: str | Path, make_executors: MakeExecutors | None = None,
         backend_label: str | None = None) -> dict[str, Any]:
-    """Run ``cfg`` (with executors from ``make_executors(replicas)`` when given) and write its run directory;
-    returns the metrics. Engine steps are timed on the ``engine_clock`` stopwatch, sim steps by the cost model.
+    """Run a config (parsed here unless it already is a ``RunConfig``; with executors from
+    ``make_executors(replicas)`` when given) and write its run directory; returns the metrics. Engine steps are
+    timed on the engine's stopwatch, sim steps by the cost model.
 
     A run stopped early (Ctrl-C, an error while it runs) still writes what it has: the requests that ended, as
     ``.partial`` files beside a metrics.json whose ``run_status`` is ``interrupted`` (``core.output.write_run``);
     then the exception propagates."""
-    metrics_options(cfg, model_spec(cfg))  # its checks fail now, not after the run
-    output_options(cfg)
-    loop = build_loop(cfg, make_executors)
-    progress = progress_bar(cfg.output.progress)
+    rc = cfg if isinstance(cfg, RunConfig) else RunConfig.from_config(cfg)
+    loop = build_loop(rc, make_executors)
     t0 = time.perf_counter()
     try:
-        result = simulate(loop, progress=progress)
+        result = simulate(loop, progress=rc.output.show_progress)
     except BaseException as e:
         partial = loop.result(time.perf_counter() - t0)
         ended = [st for st in partial.states if st.status.terminal]
         note = {"error": f"{type(e).__name__}: {e}",  # num_unfinished: arrived but not ended
                 "num_unfinished": len(partial.states) - len(ended)}
         with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
-            write_run_dir(cfg, RunResult(ended, partial.steps, partial.end_s, partial.wall_s,
-                                         itl_pool=partial.itl_pool), out_dir,
+            write_run_dir(rc, RunResult(ended, partial.steps, partial.end_s, partial.wall_s,
+                                        itl_pool=partial.itl_pool), out_dir,
                           backend_label, note, run_status=INTERRUPTED, plots=False, pd=pd_loop(loop))
         raise
-    check_measured(cfg, result)
-    return write_run_dir(cfg, result, out_dir, backend_label, host_tier_metrics(cfg, loop), pd=pd_loop(loop))
+    return finish_run(rc, loop, result, out_dir, backend_label)
+
+
+def finish_run(run: RunConfig, loop: ServingLoop, result: RunResult, out_dir: str | Path,
+               backend_label: str | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """How every finished run ends, whether it ran alone, interleaved with others or served over HTTP: refuse one
+    that measured nothing, add the host-tier and PD sections, write the run directory; returns the metrics."""
+    check_measured(run, result)
+    return write_run_dir(run, result, out_dir, backend_label, {**host_tier_metrics(run, loop), **(extra or {})},
+                         pd=pd_loop(loop))
 
 
 def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
@@ -83,7 +77,7 @@ def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
     return loop if isinstance(loop, PDServingLoop) else None
 
 
-def host_tier_metrics(cfg: DictConfig, loop: ServingLoop) -> dict[str, Any]:
+def host_tier_metrics(run: RunConfig, loop: ServingLoop) -> dict[str, Any]:
     """metrics.json's ``host_tier`` section, summed over replicas (``core.host_tier.HostTierStats.summary``);
     no key when the host tier is off, so runs without one keep their metrics.json."""
     tiers = [r.kv.host for r in loop.replicas if r.kv.host is not None]
@@ -93,28 +87,28 @@ def host_tier_metrics(cfg: DictConfig, loop: ServingLoop) -> dict[str, Any]:
     for tier in tiers:
         for f in fields(HostTierStats):
             setattr(total, f.name, getattr(total, f.name) + getattr(tier.stats, f.name))
-    per_block = arithmetic.kv_bytes_per_block(stored_spec(cfg, model_spec(cfg)), tiers[0].block_size, kv_bits(cfg))
+    per_block = run.kv_bytes_per_block
     # the steps' copy time, inside their durations: the engine measures it, the simulator prices it on the host link
-    copy_s = sum(getattr(ex, "copy_s", 0.0) for ex in loop.executors)
     return {"host_tier": {"blocks_per_replica": tiers[0].num_blocks, "bytes_per_block": per_block,
-                          **total.summary(per_block), "copy_s": copy_s,
-                          "copy_time": "measured" if cfg.backend.name == "engine" else "priced"}}
+                          **total.summary(per_block), "copy_s": sum(ex.copy_s for ex in loop.executors),
+                          "copy_time": "measured" if run.measured else "priced"}}
 
 
-def check_measured(cfg: DictConfig, result: RunResult) -> None:
+def check_measured(run: RunConfig, result: RunResult) -> None:
     """Refuse a run whose requests were all warmup: every metric would be null. (Workloads that know their
     request count refuse it when built; this catches the ones bounded by time or by a trace.)"""
     if result.states and all(st.request.warmup for st in result.states):
-        key = next((k for k in ("warmup_requests", "warmup_sessions", "warmup_waves") if k in cfg.workload),
+        workload = run.config.workload
+        key = next((k for k in ("warmup_requests", "warmup_sessions", "warmup_waves") if k in workload),
                    "warmup_requests")
-        raise ValueError(f"workload.{key}={cfg.workload[key]!r}: all {len(result.states)} requests of the run are "
+        raise ValueError(f"workload.{key}={workload.get(key)!r}: all {len(result.states)} requests of the run are "
                          f"warmup, so nothing is measured; lower it below the number of requests")
 
 
-def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backend_label: str | None = None,
+def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backend_label: str | None = None,
                   extra: Mapping[str, Any] | None = None, run_status: str = COMPLETE,
                   plots: bool | None = None, pd: PDServingLoop | None = None) -> dict[str, Any]:
-    """Metrics, the DESIGN section 8 files (plus outputs.jsonl for the engine), config.yaml and timing.json
+    """Metrics, the run files of docs/outputs.md (plus outputs.jsonl for the engine), config.yaml and timing.json
     through ``core.output.write_run`` (atomic, metrics.json last, stale run files removed), then plots if enabled
     (``plots`` overrides ``output.plots``). metrics.json holds no wall-clock fact: timing.json has ``wall_s`` and
     ``sim_s_per_wall_s``. ``run_status``: ``complete``, or ``running`` / ``interrupted`` for partial results.
@@ -122,28 +116,26 @@ def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backe
     colocated run's files have neither)."""
     from core.metrics import summarize
 
-    spec = model_spec(cfg)
-    label = backend_label or cfg.backend.name
-    options = metrics_options(cfg, spec)
+    label = backend_label or run.backend
+    options = run_summary_options(run)
     metrics = summarize(result.states, **options, itl_pool=result.itl_pool)
     metrics.update(backend=label, num_steps=len(result.steps), **(extra or {}))
     if pd is not None:
-        metrics["pd"] = pd_metrics(cfg, pd, options["percentile_method"])
+        metrics["pd"] = pd_metrics(run, pd)
     if label == "engine":
-        metrics["engine_clock"] = engine_clock(cfg)
+        metrics["engine_clock"] = run.engine_clock
     timing = {"wall_s": result.wall_s,
               "sim_s_per_wall_s": result.end_s / result.wall_s if result.wall_s > 0 else None}
-    files: dict[str, str] = {"config.yaml": config_yaml(cfg)}
-    if cfg.backend.name == "engine":
+    files: dict[str, str] = {"config.yaml": config_yaml(run.config)}
+    if run.engine is not None:
         from engine.outputs import outputs_jsonl
 
-        files["outputs.jsonl"] = outputs_jsonl(result.states, spec, int(cfg.seed))
+        files["outputs.jsonl"] = outputs_jsonl(result.states, run.model, run.seed)
     out = Path(out_dir)
-    opts = output_options(cfg)
     write_run(out, result.states, result.steps, metrics, files, timing=timing, run_status=run_status,
-              file_format=opts["format"], tokens=opts["tokens"],
+              file_format=run.output.format, tokens=run.output.tokens,
               extra_request_columns=pd.request_columns() if pd is not None else None)
-    draw = opts["plots"] if plots is None else plots
+    draw = run.output.plots if plots is None else plots
     if draw == "auto":
         draw = len(result.states) <= PLOTS_AUTO_MAX_REQUESTS
     if draw and run_status == COMPLETE:
@@ -153,27 +145,14 @@ def write_run_dir(cfg: DictConfig, result: RunResult, out_dir: str | Path, backe
     return metrics
 
 
-def pd_metrics(cfg: DictConfig, loop: PDServingLoop, method: str) -> dict[str, Any]:
+def pd_metrics(run: RunConfig, loop: PDServingLoop) -> dict[str, Any]:
     """metrics.json's ``pd`` section: transfer time, KV wait and link wait percentiles, what moved, and how transfer
     times were obtained (the simulator's link, or the engine's measured copies)."""
-    spec = stored_spec(cfg, model_spec(cfg))
-    out = loop.metrics(method, kv_bytes_per_token=arithmetic.kv_bytes_per_token(spec, kv_bits(cfg)))
-    measured = cfg.backend.name == "engine"
-    out["transfer_timing"] = "measured" if measured else "link"
-    out["link"] = None if measured else {"name": cfg.cluster.get("link"), **asdict(link(cfg))}
-    out["placement"] = cfg.placement.get("_target_")
+    out = loop.metrics(run.metrics.percentile_method, kv_bytes_per_token=run.kv_bytes_per_token)
+    out["transfer_timing"] = "measured" if run.measured else "link"
+    out["link"] = None if run.measured else {"name": run.cluster.link_name, **asdict(run.cluster.link)}
+    out["placement"] = run.config.placement.get("_target_")
     return out
-
-
-def output_options(cfg: DictConfig) -> dict[str, Any]:
-    """The ``output`` section, checked: ``format`` (csv | parquet), ``tokens`` (all | none), ``plots`` (auto |
-    true | false). A config without the newer keys gets their defaults (csv, all, auto)."""
-    out = cfg.get("output") or {}
-    file_format, tokens = check_output_options(out.get("format", "csv"), out.get("tokens", "all"))
-    plots = out.get("plots", "auto")
-    if not isinstance(plots, bool) and plots != "auto":
-        raise ValueError(f"output.plots={plots!r}; allowed: auto, true or false")
-    return {"format": file_format, "tokens": tokens, "plots": plots}
 
 
 def config_yaml(cfg: DictConfig) -> str:
@@ -200,9 +179,8 @@ def same_files(a: str | Path, b: str | Path, names: Sequence[str] = COMPARED_FIL
     return {n: table_path(Path(a) / n).read_bytes() == table_path(Path(b) / n).read_bytes() for n in names}
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-@user_errors
-def _main(cfg: DictConfig) -> float | None:
+@hydra_app("config")
+def main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",
@@ -230,26 +208,6 @@ def objective(cfg: DictConfig, metrics: Mapping[str, Any]) -> float | None:
         raise ValueError(f"objective={key}: not a number in metrics.json ({type(v).__name__}); name one value, "
                          f"e.g. ttft_s.p90")
     return None if v is None else float(v)
-
-
-def checkpoint_paths_to_overrides(argv: list[str]) -> list[str]:
-    """Let ``model=DIR`` name a Hugging Face checkpoint directory: it becomes ``model.path=DIR`` (the shapes
-    then come from DIR/config.json), since a Hydra group option cannot be a path."""
-    out = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "model" and (Path(value) / "config.json").is_file():
-            arg = f"model.path={Path(value).resolve()}"
-        elif key == "model" and ("/" in value or Path(value).exists()):
-            raise SystemExit(f"model={value}: not a checkpoint directory (no config.json there); "
-                             f"a model option is one of conf/model/*.yaml or a directory holding config.json")
-        out.append(arg)
-    return out
-
-
-def main() -> None:
-    sys.argv[1:] = checkpoint_paths_to_overrides(sys.argv[1:])
-    _main()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ NATIVE_MAX_ROWS = {64: 128, 32: 32}  # vector bytes of the build -> most rows it
 # long prefill (after decodes) finds oneDNN's copy cold where a back-to-back calibration profile finds it warm; on
 # the tiny engine "native" with profile_weight 1.0 brought the pipeline's held-out errors from up to 22% to within
 # 8%. It costs long prefills: a 4096-token prefill of the 44M model takes 12% longer.
-CPU_GEMMS = ("auto", "native")
 ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 BACKENDS = ("torch", "native", "triton")
+CPU_GEMMS = ("auto", "native")  # fp32 CPU GEMMs (kernels.cpu_gemm): the faster kernel per row count | native only
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from core.batch import Batch, StepFeatures
 from core.fast_forward import decode_features
-from core.host_tier import HostLink
+from core.host_tier import copy_seconds
 from core.interfaces import BaseExecutor, DecodeRun, StepOutput
+from core.links import Link
 from sim.cost.base import CostModel, DecodeCostModel
 from sim.noise import StepNoise
 from sim.speculative import SpeculativeModel
@@ -26,7 +27,7 @@ class CostModelExecutor(BaseExecutor):
     """
 
     def __init__(self, cost_model: CostModel, token_id: int = 0, speculation: SpeculativeModel | None = None,
-                 host_link: HostLink | None = None, noise: StepNoise | None = None) -> None:
+                 host_link: Link | None = None, host_block_bytes: float = 0.0, noise: StepNoise | None = None) -> None:
         self.cost_model = cost_model
         self.token_id = token_id  # simulated outputs carry no content; EOS never fires in the simulator
         self._vectorised = isinstance(cost_model, DecodeCostModel)
@@ -34,7 +35,7 @@ class CostModelExecutor(BaseExecutor):
         # a speculative decode's tokens per step are drawn, so its steps are not a predictable decode run
         self.predicts_decodes = speculation is None
         # host KV tier: a step's block copies run before its forward pass, serialised with it (core.host_tier)
-        self.host_link = host_link
+        self.host_link, self.host_block_bytes = host_link, host_block_bytes
         self.copy_s = 0.0  # priced time of the steps' block copies (part of their step durations)
         self.noise = noise
         self._step = 0  # steps taken so far (the index of the next step's noise factor)
@@ -49,7 +50,7 @@ class CostModelExecutor(BaseExecutor):
         if batch.copies:
             if self.host_link is None:
                 raise RuntimeError("the batch copies KV blocks to or from a host tier; the simulator has no host link")
-            copy_s = self.host_link.copy_time(batch.copies)
+            copy_s = copy_seconds(batch.copies, self.host_link, self.host_block_bytes)
             self.copy_s += copy_s
             duration += copy_s
         if not batch.features.num_draft_tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from core.disagg import Link
+from core.links import Link
 
 
 class LinkTransport:

@@ -1,8 +1,10 @@
-"""Small builders shared by tests: a list workload, a formula executor, a one-call simulation."""
+"""Small builders shared by tests: a list workload, a formula executor, a one-call simulation, a parsed run."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from core.batch import StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
@@ -46,3 +48,10 @@ def simulate(requests: Sequence[Request], scheduler_factory, *, step_time=lambda
     loop = ServingLoop(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
                        ListWorkload(requests), keep_batches=keep_batches)
     return run_simulated(loop), reps
+
+
+def parsed(cfg: Any, **changes: Any) -> Any:
+    """``experiments.config.RunConfig`` of a composed config, with fields replaced (``num_kv_blocks=64``)."""
+    from experiments.config import RunConfig
+
+    return replace(RunConfig.from_config(cfg), **changes)

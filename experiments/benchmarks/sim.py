@@ -65,12 +65,13 @@ def run_loop(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
     from experiments.build import CONF_DIR, build_loop
+    from experiments.config import RunConfig
     from sim.clock import simulate
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     t0 = time.perf_counter()
-    loop = build_loop(cfg)
+    loop = build_loop(RunConfig.from_config(cfg))
     build_s = time.perf_counter() - t0
     cpu0, w0 = time.process_time(), time.perf_counter()
     res = simulate(loop)

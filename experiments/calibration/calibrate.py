@@ -31,22 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core.batch import StepFeatures
 from core.checks import check_bool
-from experiments.build import (
-    engine_clock,
-    hardware_spec,
-    model_spec,
-)
 from experiments.calibration.grid import AUTO
 from experiments.calibration.profile import StepSource, read_profile, run_profile, run_steps
 from experiments.calibration.samples import DEFAULT_TOLERANCE, request_samples_from_run
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
+from experiments.config import RunConfig
 from sim.cost.calibrated import write_calibration
 from sim.fit import (
     FitReport,
@@ -110,7 +105,7 @@ def fit_linear_mean(features: Sequence[StepFeatures], durations: np.ndarray, wei
     return model, rep
 
 
-def fit_all(cfg: DictConfig, features: Sequence[StepFeatures], durations: np.ndarray, labels: Sequence[str],
+def fit_all(run: RunConfig, features: Sequence[StepFeatures], durations: np.ndarray, labels: Sequence[str],
             fits: Sequence[str], weights: Sequence[float] | None = None,
             target: str = "mean") -> tuple[dict[str, Any], dict[str, FitReport]]:
     """The requested fits; ``weights`` (per measurement) and ``target`` (mean | relative, see ``fit_linear_mean``)
@@ -125,8 +120,8 @@ def fit_all(cfg: DictConfig, features: Sequence[StepFeatures], durations: np.nda
         fit = fit_linear_mean if target == "mean" else fit_linear
         models["linear"], reports["linear"] = fit(features, durations, weights, labels=labels)
     if "roofline" in fits:
-        models["roofline"], reports["roofline"] = fit_roofline(features, durations, model_spec(cfg),
-                                                               hardware_spec(cfg), labels=labels)
+        models["roofline"], reports["roofline"] = fit_roofline(features, durations, run.model, run.hardware,
+                                                               labels=labels)
     return models, reports
 
 
@@ -158,7 +153,7 @@ def request_level_samples(c: DictConfig) -> tuple[list[RequestSample], dict[str,
     return samples, {"runs": runs, "prefill_chunk": chunk, "tolerance": tol, "samples": per_run}
 
 
-def fit_with_requests(cfg: DictConfig, samples: Sequence[RequestSample], labels: Sequence[str],
+def fit_with_requests(run: RunConfig, samples: Sequence[RequestSample], labels: Sequence[str],
                       fits: Sequence[str], target: str) -> tuple[dict[str, Any], dict[str, FitReport], RequestFit]:
     """The requested fits on request-level samples (and measured steps, ``kind="step"``): the linear model with a
     per-request TTFT overhead (``sim.fit.fit_linear_requests``); the roofline on the durations less that
@@ -174,7 +169,7 @@ def fit_with_requests(cfg: DictConfig, samples: Sequence[RequestSample], labels:
         y = np.array([s.duration_s - (rfit.request_overhead_s if s.kind == "ttft" else 0.0) for s in samples])
         keep = np.flatnonzero(y > 0)
         models["roofline"], reports["roofline"] = fit_roofline(
-            [samples[i].steps for i in keep], y[keep], model_spec(cfg), hardware_spec(cfg),
+            [samples[i].steps for i in keep], y[keep], run.model, run.hardware,
             labels=[labels[i] for i in keep])
     return models, reports, rfit
 
@@ -182,7 +177,7 @@ def fit_with_requests(cfg: DictConfig, samples: Sequence[RequestSample], labels:
 def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSource] = ()) -> Calibration:
     """Profile (``calibrate.profile``; or reuse ``calibrate.profile_from``, a profile.csv) and/or read
     ``calibrate.steps`` + ``extra_steps`` and/or the request-level ``calibrate.runs``, fit, write files."""
-    c = cfg.calibrate
+    run, c = RunConfig.from_config(cfg), cfg.calibrate
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     features: list[StepFeatures] = []
@@ -190,7 +185,7 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     labels: list[str] = []
     paths: dict[str, Path] = {}
     if c.get("profile_from") or profiling(c):
-        paths["profile"] = Path(c.profile_from) if c.get("profile_from") else run_profile(cfg, out)
+        paths["profile"] = Path(c.profile_from) if c.get("profile_from") else run_profile(run, c, out)
         f, d, g = read_profile(paths["profile"])
         features += f
         durations += d
@@ -214,15 +209,15 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
         samples = [RequestSample((f,), d, "step", wt, lab) for f, d, wt, lab in
                    zip(features, durations, weights, labels, strict=True)] + samples
         labels += [f"request:{s.kind}" for s in samples[len(features):]]
-        models, reports, rfit = fit_with_requests(cfg, samples, labels, list(c.fits), target)
+        models, reports, rfit = fit_with_requests(run, samples, labels, list(c.fits), target)
         features = [s.steps for s in samples]
         durations = [s.duration_s for s in samples]
     y = np.asarray(durations, dtype=float)
     if rfit is None:
-        models, reports = fit_all(cfg, features, y, labels, list(c.fits), weights, target)
-    spec, hw = model_spec(cfg), hardware_spec(cfg)
+        models, reports = fit_all(run, features, y, labels, list(c.fits), weights, target)
+    spec, hw = run.model, run.hardware
     source_text = ", ".join(f"{s[0]} (first {s[1]} steps)" if isinstance(s, tuple) else str(s) for s in sources)
-    note = (f"model={spec.name} hardware={hw.name} backend={cfg.backend.name}; {len(features)} measurements "
+    note = (f"model={spec.name} hardware={hw.name} backend={run.backend}; {len(features)} measurements "
             f"(profile: {paths.get('profile')}, runs: [{source_text}]"
             + (f", request-level runs: {request_info['runs']})\nIsolated TTFTs carry a further "
                f"{rfit.request_overhead_s * 1e3:.3g} ms per request (HTTP, tokenisation): frontend_delay_s, "
@@ -239,9 +234,9 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
     summary: dict[str, Any] = {name: rep.to_dict() for name, rep in reports.items()}
     summary["step_noise"] = {name: {k: v for k, v in rec.items() if k != "z"} if rec else None
                              for name, rec in noise.items()}
-    summary.update(model=spec.name, hardware=hw.name, backend=cfg.backend.name, num_measurements=len(features),
+    summary.update(model=spec.name, hardware=hw.name, backend=run.backend, num_measurements=len(features),
                    sources=[str(s) for s in sources], profile=str(paths.get("profile")),
-                   engine_clock=engine_clock(cfg) if cfg.backend.name == "engine" else None)
+                   engine_clock=run.engine_clock if run.measured else None)
     if paths.get("profile") and (paths["profile"].parent / "grid.json").is_file():
         summary["grid"] = json.loads((paths["profile"].parent / "grid.json").read_text())
     if rfit is not None:
@@ -283,8 +278,7 @@ def describe(cal: Calibration) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf", config_name="calibrate", version_base="1.3")
-@user_errors
+@hydra_app("calibrate")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     cal = calibrate(cfg, out)

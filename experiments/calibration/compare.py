@@ -37,18 +37,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from core.checks import check_int
 from core.output import has_table, read_metrics, read_step_features, read_timing
-from experiments.build import CONF_DIR, hardware_spec, model_spec
+from experiments.build import run_summary_options, step_noise
 from experiments.calibration.calibrate import calibrate, describe, group_of
 from experiments.calibration.interleave import run_interleaved
 from experiments.calibration.profile import run_profile
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
+from experiments.config import RunConfig
 from experiments.overrides import apply_overrides, with_backend, with_calibration
 from experiments.run import replay, run, same_files
 from sim.cost.calibrated import load_calibration
@@ -138,7 +138,7 @@ def median_metrics(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def simulate(sim_cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def simulate_draws(sim_cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The calibrated simulation into ``out_dir``, and its metrics to compare. With step noise (``sim.noise``) a
     simulation is one draw of the machine's variability, as the measured run is one: a percentile predicted from
     one draw scatters by several percent around the simulator's expectation (a TPOT p90 over 80 requests by
@@ -146,19 +146,19 @@ def simulate(sim_cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], dict[s
     1, ...; the first is ``out_dir``'s run), and the second value gives each draw's headline numbers (None: no
     noise)."""
     import tempfile
-
-    from experiments.build import step_noise
+    from dataclasses import replace
 
     draws = check_int(sim_cfg.compare.get("noise_draws", 1), "compare.noise_draws", 1)
-    metrics = run(sim_cfg, out_dir)
-    if step_noise(sim_cfg) is None or draws <= 1:
+    sim = RunConfig.from_config(sim_cfg)
+    metrics = run(sim, out_dir)
+    if step_noise(sim) is None or draws <= 1:
         return metrics, None
-    seed = int(sim_cfg.backend.get("noise_seed", sim_cfg.seed))
+    seed = sim.sim.noise_seed
     runs = [metrics]
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(1, draws):
-            cfg_k = apply_overrides(sim_cfg, [f"backend.noise_seed={seed + k}", "output.plots=false"])
-            runs.append(run(cfg_k, Path(tmp) / str(k)))
+            draw = replace(sim, sim=replace(sim.sim, noise_seed=seed + k), output=replace(sim.output, plots=False))
+            runs.append(run(draw, Path(tmp) / str(k)))
     return median_metrics(runs), {"noise_seeds": list(range(seed, seed + draws)),
                                 "headline": [_headline(m) for m in runs]}
 
@@ -169,12 +169,11 @@ def measured_run(cfg: DictConfig, source: str | Path, out_dir: Path) -> tuple[di
     ``cfg`` with the workload the measurement ran (see the module docstring)."""
     import shutil
 
-    from experiments.build import metrics_options
     from experiments.serving.bench_result import bench_serve_to_run
 
     src = Path(source)
     if src.is_file() and src.suffix == ".json":
-        metrics = bench_serve_to_run(src, out_dir, metrics_options(cfg, model_spec(cfg)))
+        metrics = bench_serve_to_run(src, out_dir, run_summary_options(RunConfig.from_config(cfg)))
         workload_cfg = None
     elif has_table(src, "requests") and (src / "metrics.json").is_file():
         if src.resolve() != out_dir.resolve():
@@ -243,19 +242,20 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
         cal_path = cal.path(c.fit)
         summary["calibration"] = {"path": str(cal_path.resolve()), "fitted_here": True, "train": list(c.train or []),
                                   "fit": {k: r.to_dict() for k, r in cal.reports.items()}, "text": describe(cal)}
-    cost_model = load_calibration(cal_path, model_spec(cfg), hardware_spec(cfg))
+    sim_cfg = with_calibration(cfg, cal_path)
+    sim_run = RunConfig.from_config(sim_cfg)
+    cost_model = load_calibration(cal_path, sim_run.model, sim_run.hardware)
     # median signed relative error of the model on each engine run's steps: the training run's is the fit's own
     summary["step_bias"] = {s: step_errors(cost_model, out / s)[0].median_signed_rel_error for s in stages}
     if c.replay:
         summary["logic"] = logic_check(cfg, out / "engine", out / "replay")
-    sim_cfg = with_calibration(cfg, cal_path)
     if engine.get("draft_acceptance_alpha") is not None:  # speculative decoding: the engine's measured acceptance;
         # the calibrated steps (verify shapes measured with the proposer) already include a draft model's passes
         drafts = [f"spec.acceptance_rate={engine['draft_acceptance_alpha']!r}"]
         drafts += ["spec.draft_cost=included"] if cfg.spec.method == "draft" else []
         sim_cfg = apply_overrides(sim_cfg, drafts)
         summary["draft_acceptance_alpha"] = engine["draft_acceptance_alpha"]
-    sim, summary["sim_draws"] = simulate(sim_cfg, out / "sim")
+    sim, summary["sim_draws"] = simulate_draws(sim_cfg, out / "sim")
     rows = percentile_errors(engine, sim, list(c.metrics), list(c.percentiles))
     summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -294,7 +294,7 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     else:
         raise ValueError("compare.measured needs compare.calibration=<linear.yaml> or calibrate.runs=[...] "
                          "(request-level profiling runs against the same server)")
-    sim, summary["sim_draws"] = simulate(with_calibration(cfg, cal_path), out / "sim")
+    sim, summary["sim_draws"] = simulate_draws(with_calibration(cfg, cal_path), out / "sim")
     rows = percentile_errors(measured, sim, list(c.metrics), list(c.percentiles))
     summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -333,7 +333,8 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         raise ValueError("compare.measured compares one measured run; set compare.rates=[] (measure each rate with "
                          "loadgen and compare each)")
     if not c.get("measured") and not c.calibration and cfg.calibrate.profile and not cfg.calibrate.get("profile_from"):
-        profile_csv = run_profile(with_backend(cfg, "engine"), out / "calibration")
+        engine = RunConfig.from_config(with_backend(cfg, "engine"))
+        profile_csv = run_profile(engine, cfg.calibrate, out / "calibration")
         cfg = apply_overrides(cfg, [f"calibrate.profile_from={profile_csv}"])
     summary = evaluate(cfg, out)
     summary.pop("sim_metrics")  # the simulator's (median) metrics: its headline is in summary["metrics"]
@@ -351,7 +352,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                 curves.setdefault("engine", {})[r] = read_metrics(d / "engine" / "metrics.json")
                 curves.setdefault("sim", {})[r] = point["sim_metrics"]
             else:
-                curves.setdefault("sim", {})[r] = simulate(
+                curves.setdefault("sim", {})[r] = simulate_draws(
                     with_calibration(point_cfg, summary["calibration"]["path"]), d / "sim")[0]
         (out / "rates.json").write_text(json.dumps({k: {str(r): m for r, m in v.items()} for k, v in curves.items()},
                                                    indent=2, sort_keys=True) + "\n")
@@ -365,8 +366,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="compare", version_base="1.3")
-@user_errors
+@hydra_app("compare")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     summary = compare(cfg, out)

@@ -11,15 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from core.shapes import shape_blocks
-from experiments.build import (
-    hardware_spec,
-    model_spec,
-    num_kv_blocks,
-    spec_method,
-)
+from experiments.config import RunConfig, plain
 
 GRID_KEYS = ("prefill_lens", "prefill_cached", "decode_batch_sizes", "decode_contexts", "mixed_chunks",
              "mixed_decodes", "mixed_context", "verify_drafts")
@@ -146,21 +139,13 @@ def grid_shapes(grid: Mapping[str, Any], max_model_len: int, max_num_batched_tok
     return grid_plan(grid, max_model_len, max_num_batched_tokens, max_num_seqs, max_blocks, block_size)[0]
 
 
-def draft_length(cfg: DictConfig) -> int:
-    """The drafts per decode a speculation policy asks for at most (``k``, else ``max_k``; 4 if it names neither)."""
-    policy = cfg.spec.policy
-    return int(policy.get("k", policy.get("max_k", 4)))
-
-
-def config_grid(cfg: DictConfig) -> tuple[list[Shape], list[str], dict[str, Any]]:
-    """``calibrate.grid`` for this config: (shapes, notes on the shapes left out, the grid with auto resolved).
-    Auto values follow the model's max_model_len and the scheduler's limits; shapes beyond the KV pool
-    (``kv.num_blocks``, else what ``kv.memory_bytes`` or the hardware holds) are left out."""
-    spec, sched = model_spec(cfg), cfg.scheduler
-    grid = OmegaConf.to_container(cfg.calibrate.grid, resolve=True)
-    if grid.get("verify_drafts") == AUTO:  # the draft length of the run's speculative decoding; none without it
-        grid["verify_drafts"] = [draft_length(cfg)] if spec_method(cfg) else []
-    limits = (spec.max_model_len, int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
-    pool = num_kv_blocks(cfg, spec, hardware_spec(cfg))
-    shapes, notes = grid_plan(grid, *limits, max_blocks=pool, block_size=int(cfg.kv.block_size))
+def config_grid(run: RunConfig, grid: Mapping[str, Any]) -> tuple[list[Shape], list[str], dict[str, Any]]:
+    """``calibrate.grid`` for this run: (shapes, notes on the shapes left out, the grid with auto resolved). Auto
+    values follow the model's max_model_len and the scheduler's limits; ``verify_drafts: auto`` is the run's
+    speculative decoding draft length (none without it); shapes beyond the KV pool are left out."""
+    grid = dict(plain(grid))
+    if grid.get("verify_drafts") == AUTO:
+        grid["verify_drafts"] = [run.speculation.max_drafts] if run.speculation.method else []
+    limits = (run.model.max_model_len, run.limits.max_num_batched_tokens, run.limits.max_num_seqs)
+    shapes, notes = grid_plan(grid, *limits, max_blocks=run.num_kv_blocks, block_size=run.kv.block_size)
     return shapes, notes, resolve_grid(grid, *limits)

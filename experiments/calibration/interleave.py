@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from core.batch import Batch
 from core.interfaces import BaseExecutor, Executor, StepOutput
 from core.loop import ServingLoop
 from core.replica import Replica
-from experiments.build import build_executors, build_loop, engine_clock, model_spec, replicas_for
-from experiments.run import write_run_dir
+from experiments.build import build_executors, build_loop, build_replicas
+from experiments.config import RunConfig
+from experiments.run import finish_run
 from sim.clock import simulate
 
 
@@ -72,6 +72,10 @@ class _TakeTurns(BaseExecutor):
             self.paired_steps += 1
         return self.inner.execute(batch)
 
+    @property
+    def copy_s(self) -> float:
+        return self.inner.copy_s
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 
@@ -80,19 +84,18 @@ class _TakeTurns(BaseExecutor):
     # predicts_decodes stays False (BaseExecutor): every step must take its turn, so none is fast-forwarded
 
 
-def _shared_executors(cfgs: Mapping[str, DictConfig],
+def _shared_executors(runs: Mapping[str, RunConfig],
                       replicas: Mapping[str, list[Replica]]) -> dict[str, list[Executor]]:
-    """Executors per run; runs with the same model, backend and seed share one engine model (one
-    ``build_executors`` call over all their replicas), so taking turns does not also swap the weights in caches."""
+    """Executors per run; runs with the same model, backend options, quantisation and seed share one engine model
+    (one ``build_executors`` call over all their replicas), so taking turns does not also swap the weights in
+    caches."""
     groups: dict[str, list[str]] = {}
-    for name, cfg in cfgs.items():
-        key = json.dumps([OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "backend")]
-                         + [cfg.seed, engine_clock(cfg)], sort_keys=True, default=str)
+    for name, r in runs.items():
+        key = repr((r.model, r.sim, r.engine, r.quant, r.seed, r.engine_clock))  # records hold dicts: no hash
         groups.setdefault(key, []).append(name)
     out: dict[str, list[Executor]] = {}
     for names in groups.values():
-        cfg = cfgs[names[0]]
-        every = build_executors(cfg, model_spec(cfg), [r for n in names for r in replicas[n]])
+        every = build_executors(runs[names[0]], [r for n in names for r in replicas[n]])
         for n in names:
             out[n], every = every[:len(replicas[n])], every[len(replicas[n]):]
     return out
@@ -115,11 +118,12 @@ def run_interleaved(cfgs: Mapping[str, DictConfig], out_dirs: Mapping[str, str |
     baton = _Baton(len(names))
     loops: dict[str, ServingLoop] = {}
     results, errors, stopped = {}, {}, set()
-    replicas = {n: replicas_for(cfgs[n]) for n in names}
-    executors = _shared_executors(cfgs, replicas)
+    runs = {n: RunConfig.from_config(cfgs[n]) for n in names}
+    replicas = {n: build_replicas(runs[n]) for n in names}
+    executors = _shared_executors(runs, replicas)
     for i, name in enumerate(names):
         wrapped = [_TakeTurns(e, baton, i, len(names)) for e in executors[name]]
-        loops[name] = build_loop(cfgs[name], lambda reps, w=wrapped: w, replicas[name])
+        loops[name] = build_loop(runs[name], lambda reps, w=wrapped: w, replicas[name])
 
     def work(i: int, name: str) -> None:
         loop = loops[name]
@@ -146,7 +150,7 @@ def run_interleaved(cfgs: Mapping[str, DictConfig], out_dirs: Mapping[str, str |
     out = {}
     for n in names:
         extra = {"stopped_early": n in stopped} if primary is not None else None
-        out[n] = write_run_dir(cfgs[n], results[n], out_dirs[n], cfgs[n].backend.name, extra)
+        out[n] = finish_run(runs[n], loops[n], results[n], out_dirs[n], extra=extra)
         out[n]["paired_steps"] = sum(e.paired_steps for e in loops[n].executors)
     return out
 

@@ -20,13 +20,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.build import CONF_DIR
 from experiments.calibration.compare import compare, errors_markdown
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
 from experiments.overrides import apply_overrides
 
 log = logging.getLogger(__name__)
@@ -147,8 +145,7 @@ def pipeline(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     return result
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="pipeline", version_base="1.3")
-@user_errors
+@hydra_app("pipeline")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     if not OmegaConf.select(cfg, "pipeline"):

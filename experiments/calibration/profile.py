@@ -14,23 +14,20 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from core.batch import Batch, StepFeatures
 from core.output import read_step_features
 from core.request import Status
 from core.shapes import ShapedBatch, admit_chunk, shape_blocks
-from experiments.build import (
-    build_executors,
-    build_replicas,
-    model_spec,
-)
+from experiments.build import build_executors, build_replicas
 from experiments.calibration.grid import Shape, config_grid
+from experiments.config import ClusterConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +45,9 @@ class ProfileRow:
         return float(sorted(self.samples)[(len(self.samples) - 1) // 2])
 
 
-def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: int = 2, seed: int = 0,
+def profile(run: RunConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: int = 2, seed: int = 0,
             progress: bool = False) -> list[ProfileRow]:
-    """Time every shape on the configured backend (one replica, a KV pool sized for the largest shape), shapes in
+    """Time every shape on the run's backend (one replica, a KV pool sized for the largest shape), shapes in
     a seeded random order.
 
     A shape's executions run like consecutive steps of a run: its decodes stay admitted and each execution
@@ -60,18 +57,18 @@ def profile(cfg: DictConfig, shapes: Sequence[Shape], repeats: int = 5, warmup: 
     shape's contexts (a context near max_model_len is moved down to leave the room)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"calibrate.repeats={repeats} must be >= 1 and calibrate.warmup={warmup} >= 0")
-    spec = model_spec(cfg)
+    spec = run.model
     runs, mid = warmup + repeats, warmup + (repeats - 1) // 2
 
     def start(t: int) -> int:  # a decode's first context: `mid` executions later it is t (or as near as fits)
         return max(2, min(t - mid, spec.max_model_len - (runs - 1)))
 
-    bs = int(cfg.kv.block_size)
+    bs = run.kv.block_size
     num_blocks = max(shape_blocks(s.prefills, [start(t) + runs - 1 + s.drafts for t in s.decodes], bs)
                      for s in shapes)
-    one = OmegaConf.merge(cfg, {"replicas": 1, "kv": {"num_blocks": num_blocks}})
-    replica = build_replicas(one, spec, num_blocks)[0]
-    executor = build_executors(one, spec, [replica])[0]
+    one = replace(run, num_kv_blocks=num_blocks, cluster=ClusterConfig(num_replicas=1))
+    replica = build_replicas(one)[0]
+    executor = build_executors(one, [replica])[0]
     kv = replica.kv
     samples: list[list[float]] = [[] for _ in shapes]
     features: list[StepFeatures | None] = [None] * len(shapes)
@@ -141,18 +138,17 @@ def run_steps(sources: Sequence[StepSource]) -> tuple[list[StepFeatures], np.nda
     return feats, np.asarray(durs, dtype=float)
 
 
-def run_profile(cfg: DictConfig, out_dir: str | Path) -> Path:
-    """Profile ``calibrate.grid`` on the configured backend into ``<out_dir>/profile.csv`` (and the resolved grid,
-    with the shapes left out, into ``grid.json`` beside it)."""
-    c = cfg.calibrate
-    shapes, notes, grid = config_grid(cfg)
+def run_profile(run: RunConfig, c: DictConfig, out_dir: str | Path) -> Path:
+    """Profile the grid of the ``calibrate`` section ``c`` on the run's backend into ``<out_dir>/profile.csv`` (and
+    the resolved grid, with the shapes left out, into ``grid.json`` beside it)."""
+    shapes, notes, grid = config_grid(run, c.grid)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grid.json").write_text(json.dumps({"grid": grid, "num_shapes": len(shapes), "skipped": notes},
                                               indent=2) + "\n")
     if notes:
         log.info(f"calibrate: {len(shapes)} shapes; {len(notes)} left out (see grid.json), e.g. {notes[0]}")
-    rows = profile(cfg, shapes, int(c.repeats), int(c.warmup), int(c.seed), bool(c.get("progress", False)))
+    rows = profile(run, shapes, int(c.repeats), int(c.warmup), int(c.seed), bool(c.get("progress", False)))
     return write_profile(out / "profile.csv", rows)
 
 

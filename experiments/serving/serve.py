@@ -9,23 +9,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import threading
 from pathlib import Path
 
-import hydra
 from aiohttp import web
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core.checks import check_float, check_int
-from core.loop import RunResult, ServingLoop
-from core.output import COMPLETE, RUNNING
+from core.loop import RunResult
+from core.output import RUNNING
 from core.realtime import RealTimeClock
 from core.request import SamplingParams
-from experiments.build import CONF_DIR, build_executors, cluster_kind, instantiate_group, model_spec, replicas_for
-from experiments.cli import user_errors
-from experiments.run import write_run_dir
+from experiments.build import build_loop
+from experiments.cli import hydra_app
+from experiments.config import RunConfig
+from experiments.run import finish_run, write_run_dir
 from experiments.serving.server.app import OpenAIServer, ServerSettings, drain
 from experiments.serving.server.bridge import LoopThread, NoArrivals
 from experiments.serving.server.metrics import ServerMetrics
@@ -38,24 +37,21 @@ def _seconds(cfg: DictConfig, key: str) -> float:
 
 
 def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
-    """The aiohttp application; the engine starts with the app (on_startup) and stops with it (on_cleanup)."""
+    """The aiohttp application; the engine starts with the app (on_startup) and stops with it (on_cleanup). The loop
+    is the run path's (``experiments.build.build_loop``), its requests coming from HTTP instead of a workload."""
     from engine.tokenizer import load_tokenizer
 
-    spec = model_spec(cfg)
+    run = RunConfig.from_config(cfg)
     max_waiting = check_int(cfg.serve.max_waiting, "serve.max_waiting", 1)
     drain_s, flush_s = _seconds(cfg, "drain_timeout_s"), _seconds(cfg, "flush_interval_s")
-    name = cfg.serve.model_name or cfg.model.get("path") or spec.name
-    b = cfg.backend
-    default_sampling = SamplingParams(float(b.get("temperature", 0.0)), float(b.get("top_p", 1.0)),
-                                      int(b.get("top_k", 0)))
-    if cluster_kind(cfg) != "colocated":  # the server's real-time loop has no transfer processes
-        raise ValueError(f"cluster={cluster_kind(cfg)}: the server runs colocated replicas only; use "
+    name = cfg.serve.model_name or run.model.path or run.model.name
+    if run.cluster.kind != "colocated":  # the server's real-time loop has no transfer processes
+        raise ValueError(f"cluster={run.cluster.kind}: the server runs colocated replicas only; use "
                          "python -m experiments.run for a PD cluster")
-    replicas = replicas_for(cfg)
-    loop = ServingLoop(replicas, build_executors(cfg, spec, replicas), instantiate_group(cfg.router, "router"),
-                       NoArrivals())
-    tokenizer = load_tokenizer(cfg.model.get("path"))
-    server = OpenAIServer(spec, tokenizer, ServerSettings(name, max_waiting, default_sampling))
+    loop = build_loop(run, workload=NoArrivals())
+    tokenizer = load_tokenizer(run.model.path)
+    sampling = run.engine.sampling if run.engine is not None else SamplingParams()  # the simulator samples nothing
+    server = OpenAIServer(run.model, tokenizer, ServerSettings(name, max_waiting, sampling))
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.add_routes(server.routes())
     tasks: dict[str, asyncio.Task] = {}
@@ -70,14 +66,15 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
                 return
             bridge = server.bridge
             if bridge.thread.is_alive():
-                states, steps = bridge.records()
+                states, steps, pool = bridge.records()
             else:  # stopped: its state is ours to read
-                states, steps = [s for s in loop.states if s.status.terminal], list(loop.steps)
-            # while serving: a snapshot (run_status "running", data files named .partial); at shutdown: complete
-            write_run_dir(cfg if final else _without_plots(cfg), RunResult(states, steps, bridge.now(), bridge.now()),
-                          out_dir, run_status=COMPLETE if final else RUNNING)
-            if final:
+                states, steps, pool = [s for s in loop.states if s.status.terminal], list(loop.steps), loop.itl_pool
+            result = RunResult(states, steps, bridge.now(), bridge.now(), itl_pool=pool)
+            if final:  # the run path's own end: checks, host-tier section, the complete run files
+                finish_run(run, loop, result, out_dir)
                 finished.append(True)
+            else:  # while serving: a snapshot (run_status "running", data files named .partial), no figures
+                write_run_dir(run, result, out_dir, run_status=RUNNING, plots=False)
 
     async def flush_periodically() -> None:
         while True:
@@ -107,33 +104,18 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     return app
 
 
-def _without_plots(cfg: DictConfig) -> DictConfig:
-    out = cfg.copy()
-    out.output.plots = False
-    return out
-
-
 def serve(cfg: DictConfig, out_dir: str | Path) -> None:
     """Serve until SIGINT / SIGTERM, then drain and write the run directory."""
     app = build_app(cfg, out_dir)
     host, port = cfg.serve.host, int(cfg.serve.port)
-    log.info(f"serving {cfg.serve.model_name or cfg.model.get('path') or cfg.model.name} on http://{host}:{port} "
-          f"(run files: {out_dir})")
+    log.info(f"serving on http://{host}:{port} (run files: {out_dir})")
     web.run_app(app, host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=_seconds(cfg, "drain_timeout_s"), print=None, access_log=None)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="serve", version_base="1.3")
-@user_errors
-def _main(cfg: DictConfig) -> None:
+@hydra_app("serve")
+def main(cfg: DictConfig) -> None:
     serve(cfg, HydraConfig.get().runtime.output_dir)
-
-
-def main() -> None:
-    from experiments.run import checkpoint_paths_to_overrides
-
-    sys.argv[1:] = checkpoint_paths_to_overrides(sys.argv[1:])
-    _main()
 
 
 if __name__ == "__main__":

@@ -19,13 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core.checks import check_float, check_fraction, check_int
-from experiments.build import CONF_DIR
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
 from experiments.overrides import apply_overrides
 from experiments.run import run
 
@@ -159,8 +157,7 @@ def describe(result: CapacityResult) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="capacity", version_base="1.3")
-@user_errors
+@hydra_app("capacity")
 def main(cfg: DictConfig) -> float | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     result = capacity(cfg, out)

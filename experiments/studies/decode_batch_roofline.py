@@ -17,9 +17,10 @@ from omegaconf import DictConfig
 
 from core.batch import StepFeatures
 from experiments import plots
-from experiments.build import hardware_spec, instantiate_group, model_spec, num_kv_blocks
+from experiments.build import instantiate_group
 from experiments.calibration.grid import Shape
 from experiments.calibration.profile import profile
+from experiments.config import RunConfig
 from experiments.studies.common import Report, backends, fmt, with_section
 from sim.cost.roofline import RooflineCostModel
 from sim.fit import fit_roofline
@@ -65,10 +66,11 @@ def read_csv(path: Path) -> dict[str, np.ndarray]:
     return {k: np.array([float(r[k]) if k != "fits_memory" else r[k] == "True" for r in rows]) for k in COLUMNS}
 
 
-def roofline_of(cfg: DictConfig) -> RooflineCostModel:
-    if cfg.cost_model.get("_target_") == "sim.cost.roofline.RooflineCostModel":
-        return instantiate_group(cfg.cost_model, "cost_model")
-    return RooflineCostModel(model_spec(cfg), hardware_spec(cfg))  # the default efficiencies
+def roofline_of(run: RunConfig) -> RooflineCostModel:
+    node = run.config.cost_model
+    if node.get("_target_") == "sim.cost.roofline.RooflineCostModel":
+        return instantiate_group(node, "cost_model", model=run.model, hardware=run.hardware)
+    return RooflineCostModel(run.model, run.hardware)  # the default efficiencies
 
 
 def crossover_text(t: dict[str, np.ndarray], rep: Report, key: str, src: str) -> str:
@@ -84,9 +86,9 @@ def crossover_text(t: dict[str, np.ndarray], rep: Report, key: str, src: str) ->
 
 def run(cfg: DictConfig, out: Path) -> Report:
     rep = Report("Decode step time vs batch size and context: where KV reads overtake weight reads")
-    cost = roofline_of(cfg)
-    spec, hw = model_spec(cfg), hardware_spec(cfg)
-    capacity = num_kv_blocks(cfg, spec, hw) * int(cfg.kv.block_size)
+    sim = RunConfig.from_config(cfg)
+    cost, spec, hw = roofline_of(sim), sim.model, sim.hardware
+    capacity = sim.num_kv_blocks * sim.kv.block_size
     path = write_csv(out / "roofline.csv",
                      roofline_rows(cost, cfg.study.batch_sizes, cfg.study.contexts, capacity))
     t = read_csv(path)
@@ -110,11 +112,12 @@ def run(cfg: DictConfig, out: Path) -> Report:
         ecfg = with_section(cfg, cfg.study.engine_scale)
         shapes = [Shape("decode", f"b={b},ctx={c}", decodes=(c,) * b) for c in ecfg.study.contexts
                   for b in ecfg.study.batch_sizes]
-        rows = profile(ecfg, shapes, int(ecfg.study.repeats), int(ecfg.study.warmup), int(ecfg.seed))
+        engine = RunConfig.from_config(ecfg)
+        rows = profile(engine, shapes, int(ecfg.study.repeats), int(ecfg.study.warmup), engine.seed)
         measured = {(len(r.shape.decodes), r.shape.decodes[0]): r.median_s for r in rows}
-        fitted, fit = fit_roofline([r.features for r in rows], [r.median_s for r in rows], model_spec(ecfg),
-                                   hardware_spec(ecfg))
-        cap = num_kv_blocks(ecfg, model_spec(ecfg), hardware_spec(ecfg)) * int(ecfg.kv.block_size)
+        fitted, fit = fit_roofline([r.features for r in rows], [r.median_s for r in rows], engine.model,
+                                   engine.hardware)
+        cap = engine.num_kv_blocks * engine.kv.block_size
         args = (ecfg.study.batch_sizes, ecfg.study.contexts, cap)
         m = read_csv(write_csv(out / "measured.csv", roofline_rows(fitted, *args, step_s=measured)))
         f = read_csv(write_csv(out / "roofline_fitted.csv", roofline_rows(fitted, *args)))

@@ -12,17 +12,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.checks import check_choice, check_keys
+from core.checks import check_keys
 from core.specs import ModelSpec
 from engine.executor import resolve_kernels
 from engine.quality import QualityReport, QuantSetting, load_prompts, quality_report, synthetic_prompts
-from experiments.build import CONF_DIR, model_spec
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
+from experiments.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,6 @@ def settings(cfg: DictConfig, group_size: int) -> list[QuantSetting]:
     return [QuantSetting.parse(n, group_size) for n in names]
 
 
-def model_dtype(cfg: DictConfig, spec: ModelSpec) -> torch.dtype:
-    name = cfg.backend.get("dtype") or spec.dtype
-    return DTYPES[check_choice(name, "backend.dtype", DTYPES)]
-
-
 def prompts(cfg: DictConfig, spec: ModelSpec) -> list[list[int]]:
     q = OmegaConf.to_container(cfg.quality, resolve=True)
     check_keys("quality", q, QUALITY_KEYS)
@@ -82,13 +76,12 @@ def prompts(cfg: DictConfig, spec: ModelSpec) -> list[list[int]]:
 
 def run_quality(cfg: DictConfig) -> QualityReport:
     cfg = effective(cfg)
-    spec = model_spec(cfg)
+    run = RunConfig.from_config(cfg)
+    spec, device = run.model, run.engine.device  # the model in the dtype it runs in (backend.dtype)
     group = resolve_group_size(spec, cfg.get("quant_group_size"))
-    device = cfg.backend.get("device", "cpu")
     return quality_report(spec, prompts(cfg, spec), settings(cfg, group), new_tokens=int(cfg.quality.new_tokens),
-                          seed=int(cfg.seed), dtype=model_dtype(cfg, spec), device=device,
-                          kernels=resolve_kernels(cfg.backend.get("kernels", "auto"), device),
-                          block_size=int(cfg.kv.block_size))
+                          seed=run.seed, dtype=DTYPES[spec.dtype], device=device,
+                          kernels=resolve_kernels(run.engine.kernels, device), block_size=run.kv.block_size)
 
 
 def write(report: QualityReport, out_dir: str | Path) -> Path:
@@ -97,8 +90,7 @@ def write(report: QualityReport, out_dir: str | Path) -> Path:
     return report.write(out / "quality.json")
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="quant_study", version_base="1.3")
-@user_errors
+@hydra_app("quant_study")
 def main(cfg: DictConfig) -> None:
     if cfg.backend.get("num_threads"):
         torch.set_num_threads(int(cfg.backend.num_threads))

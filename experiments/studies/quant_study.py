@@ -23,10 +23,10 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -36,13 +36,14 @@ from core.batch import StepFeatures
 from core.checks import check_int, check_keys
 from core.kv_cache import KVCacheManager
 from core.shapes import ShapedBatch, shape_blocks
-from core.specs import HardwareSpec, ModelSpec
+from core.specs import HardwareSpec, ModelSpec, QuantSpec
 from engine.attention import allocate_kv_caches
-from engine.executor import EngineExecutor, EngineOptions, build_engine_executors, resolve_kernels
+from engine.executor import EngineExecutor, build_engine_executors, resolve_kernels
+from engine.options import EngineOptions
 from engine.quality import QuantSetting
-from experiments.build import CONF_DIR, hardware_spec, model_spec, num_kv_blocks
-from experiments.cli import user_errors
-from experiments.studies.quant_quality import effective, model_dtype, resolve_group_size, run_quality, settings
+from experiments.cli import hydra_app
+from experiments.config import KVConfig, RunConfig, conf_option, num_kv_blocks
+from experiments.studies.quant_quality import DTYPES, effective, resolve_group_size, run_quality, settings
 from policies.eviction.lru import LRUEviction
 from sim.cost.base import decode_features
 from sim.cost.roofline import RooflineCostModel
@@ -74,19 +75,23 @@ def sweeps(s: Mapping[str, Any]) -> dict[str, list[Shape]]:
             "context": [(s["context_batch"], c) for c in s["contexts"]]}
 
 
+def quant_spec(q: QuantSetting) -> QuantSpec:
+    """How a setting stores weights and KV (what both the engine and the roofline read)."""
+    return QuantSpec(weight_bits=4 if q.quant == "w4a16" else 16, group_size=q.group_size,
+                     kv_bits=ar.kv_bits_of(q.kv_dtype))
+
+
 def quant_bits(q: QuantSetting) -> dict[str, int]:
     """The roofline's view of a setting."""
-    return {"weight_bits": 4 if q.quant == "w4a16" else 16, "kv_bits": ar.kv_bits_of(q.kv_dtype),
-            "group_size": q.group_size}
+    return asdict(quant_spec(q))
 
 
 # ---- engine measurement ---------------------------------------------------------------------------------------
 
-def _executor(spec: ModelSpec, backend: Mapping[str, Any], q: QuantSetting, num_blocks: int, block_size: int,
+def _executor(spec: ModelSpec, options: EngineOptions, q: QuantSetting, num_blocks: int, block_size: int,
               seed: int) -> EngineExecutor:
-    b = EngineOptions.from_mapping({**backend, "quant": q.quant, "quant_group_size": q.group_size,
-                                    "kv_dtype": q.kv_dtype})
-    ex = build_engine_executors(spec, b, [KVCacheManager(num_blocks, block_size, LRUEviction(), False)], seed)[0]
+    kv = KVCacheManager(num_blocks, block_size, LRUEviction(), False)
+    ex = build_engine_executors(spec, options, quant_spec(q), [kv], seed)[0]
     for c in ex.runner.kv_caches:  # defined contents (no stray NaN / denormal bit patterns) in the context KV
         for t in (c.k, c.v, c.k_scale, c.v_scale):
             if t is not None:
@@ -94,7 +99,7 @@ def _executor(spec: ModelSpec, backend: Mapping[str, Any], q: QuantSetting, num_
     return ex
 
 
-def measure_decode(spec: ModelSpec, backend: Mapping[str, Any], quants: Sequence[QuantSetting],
+def measure_decode(spec: ModelSpec, backend: EngineOptions, quants: Sequence[QuantSetting],
                    shapes: Sequence[Shape], *, block_size: int, repeats: int, warmup: int,
                    seed: int = 0) -> tuple[dict[str, list[list[float]]], list[StepFeatures]]:
     """Seconds per decode step: {setting: [samples of each shape]}, and each shape's step features."""
@@ -141,12 +146,8 @@ def gpu_prediction(cfg: DictConfig, quants: Sequence[QuantSetting]) -> dict[str,
     """Roofline decode times / speed-ups and KV capacity of a 7B/8B-class model on a GPU (prediction only)."""
     g = OmegaConf.to_container(cfg.study.gpu, resolve=True)
     check_keys("study.gpu", g, GPU_KEYS)
-    paths = {k: CONF_DIR / k / f"{g[k]}.yaml" for k in ("model", "hardware")}
-    for k, p in paths.items():
-        if not p.is_file():
-            raise ValueError(f"study.gpu.{k}={g[k]!r}: no {p}")
-    spec = ModelSpec.from_mapping(OmegaConf.to_container(OmegaConf.load(paths["model"]), resolve=True))
-    hw = HardwareSpec.from_mapping(OmegaConf.to_container(OmegaConf.load(paths["hardware"]), resolve=True))
+    spec = ModelSpec.from_mapping(conf_option("model", g["model"], "study.gpu.model"))
+    hw = HardwareSpec.from_mapping(conf_option("hardware", g["hardware"], "study.gpu.hardware"))
     gq = [BASE] + [QuantSetting(q.name, q.quant, int(g["group_size"]), q.kv_dtype) for q in quants]
     base = conf_roofline(cfg, spec, hw)
     out: dict[str, Any] = {"model": spec.name, "hardware": hw.name, "group_size": int(g["group_size"]),
@@ -176,12 +177,11 @@ def kv_capacity(cfg: DictConfig, spec: ModelSpec, hw: HardwareSpec) -> dict[str,
     ratios approach as the budget grows."""
     budget = float(cfg.study.kv_memory_bytes)
     bs = int(cfg.kv.block_size)
-    dtype = model_dtype(cfg, spec)
+    dtype = DTYPES[spec.dtype]
     out: dict[str, Any] = {"memory_bytes": budget, "block_size": bs, "contexts": list(cfg.study.capacity_contexts)}
     for kv_dtype in ("auto", "int8"):
-        sized = OmegaConf.merge(cfg, {"backend": {"name": "engine", "kv_dtype": kv_dtype},
-                                      "kv": {"num_blocks": None, "memory_bytes": budget}})
-        blocks = {"num_kv_blocks": num_kv_blocks(sized, spec, hw),
+        kv = KVConfig(block_size=bs, memory_bytes=budget)
+        blocks = {"num_kv_blocks": num_kv_blocks(kv, QuantSpec(kv_bits=ar.kv_bits_of(kv_dtype)), spec, hw),
                   "engine_tensors": int(budget // _engine_block_bytes(spec, bs, dtype, kv_dtype))}
         out[kv_dtype] = {k: {"blocks": n, "max_seqs": [n // -(-c // bs) for c in out["contexts"]]}
                          for k, n in blocks.items()}
@@ -214,7 +214,8 @@ def study(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     cfg = effective(cfg)
     s = _check_study(cfg)
-    spec, hw = model_spec(cfg), hardware_spec(cfg)
+    run = RunConfig.from_config(cfg)
+    spec, hw, backend = run.model, run.hardware, run.engine
     group = resolve_group_size(spec, cfg.get("quant_group_size"))
     quants = settings(cfg, group)
     names = [BASE.name] + [q.name for q in quants]
@@ -227,8 +228,7 @@ def study(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     shapes = sorted({sh for v in groups.values() for sh in v})
     conf = conf_roofline(cfg, spec, hw)
     gpu, capacity = gpu_prediction(cfg, quants), kv_capacity(cfg, spec, hw)  # cheap: bad keys fail before timing
-    backend = OmegaConf.to_container(cfg.backend, resolve=True)
-    samples, feats = measure_decode(spec, backend, [BASE, *quants], shapes, block_size=int(cfg.kv.block_size),
+    samples, feats = measure_decode(spec, backend, [BASE, *quants], shapes, block_size=run.kv.block_size,
                                     repeats=int(s["repeats"]), warmup=int(s["warmup"]), seed=int(cfg.seed))
     median = {n: [float(np.median(x)) for x in samples[n]] for n in names}
 
@@ -253,10 +253,8 @@ def study(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     quality.write(out / "quality.json")
     result = {
         "model": spec.name, "checkpoint": spec.path, "hardware": hw.name,
-        "dtype": str(model_dtype(cfg, spec)).removeprefix("torch."),
-        "kernels": resolve_kernels(backend.get("kernels", "auto"), backend.get("device", "cpu")),
-        "device": backend.get("device", "cpu"),
-        "num_threads": backend.get("num_threads"), "group_size": group, "settings": names,
+        "dtype": spec.dtype, "kernels": resolve_kernels(backend.kernels, backend.device), "device": backend.device,
+        "num_threads": backend.num_threads, "group_size": group, "settings": names,
         "quick": bool(cfg.get("quick", False)), "repeats": int(s["repeats"]), "warmup": int(s["warmup"]),
         "cpu": cpu,
         "roofline": {"conf": conf.params(), "fit": {**fitted.params(), "median_rel_error":
@@ -404,8 +402,7 @@ def summary(r: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="quant_study", version_base="1.3")
-@user_errors
+@hydra_app("quant_study")
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     study(cfg, out)

@@ -14,8 +14,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from core import arithmetic
+from core.specs import ModelSpec
 from experiments import plots
-from experiments.build import CONF_DIR, model_spec
+from experiments.build import CONF_DIR
+from experiments.config import plain
 from experiments.studies.capacity_under_slo import (
     PANELS,
     attainment_target,
@@ -62,7 +64,7 @@ def same_work_engine(rep: Report, overrides: Sequence[str], out: Path) -> None:
 
 def run(cfg: DictConfig, out: Path) -> Report:
     rep = Report("Quantisation gain: 16-bit vs W4A16 vs int8 KV")
-    gain = arithmetic.kv_capacity_gain(model_spec(cfg), 8)
+    gain = arithmetic.kv_capacity_gain(ModelSpec.from_config(plain(cfg.model)), 8)
     rep.text(f"Simulator: {cfg.model.name} on {cfg.hardware.name}, roofline with weight_bits / kv_bits per setting "
              f"(the KV pool is sized with the bytes per token, int8 KV's float32 scales included, so int8 KV holds "
              f"{fmt(gain)}x the tokens of model-dtype KV). " + describe_search(cfg))

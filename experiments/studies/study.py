@@ -15,13 +15,12 @@ import logging
 import time
 from pathlib import Path
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core.checks import check_choice
 from experiments.build import CONF_DIR
-from experiments.cli import user_errors
+from experiments.cli import hydra_app
 from experiments.run import save_config
 from experiments.studies.common import scaled
 
@@ -34,7 +33,10 @@ def studies() -> list[str]:
 
 def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
     """Run the study ``cfg.study.name`` into ``out_dir``; returns the path of its summary.md."""
-    name = cfg.study.get("name")
+    node = cfg.get("study")
+    if node is None:
+        raise ValueError(f"study=NAME is required; allowed: {studies()}")
+    name = node.get("name")
     check_choice(name, "study.name", studies())
     cfg = scaled(cfg)
     out = Path(out_dir)
@@ -52,8 +54,7 @@ def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
     return report.write(out, header)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="study", version_base="1.3")
-@user_errors
+@hydra_app("study")
 def main(cfg: DictConfig) -> None:
     path = run_study(cfg, HydraConfig.get().runtime.output_dir)
     log.info(path.read_text())

@@ -8,9 +8,10 @@ import math
 
 import pytest
 
-from core.disagg import Link, PDServingLoop
+from core.disagg import PDServingLoop
 from core.interfaces import KVTransport, Placement, ReplicaView
 from core.kv_cache import KVCacheManager
+from core.links import Link
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, Status
 from policies.eviction.lru import LRUEviction
@@ -145,9 +146,9 @@ def test_pd_loop_needs_both_roles():
 
 
 def test_link_checks_its_values():
-    with pytest.raises(ValueError, match="cluster.link_bandwidth_bytes_s"):
+    with pytest.raises(ValueError, match="link.bandwidth_bytes_s"):
         Link(0.0)
-    with pytest.raises(ValueError, match="cluster.link_latency_s"):
+    with pytest.raises(ValueError, match="link.latency_s"):
         Link(1e9, -1.0)
     assert Link(1e9, 1e-3).seconds(2e9) == pytest.approx(2.001)
 

@@ -8,9 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from core.batch import Batch, BlockCopy, Chunk
-from core.host_tier import HostLink, HostTier
+from core.host_tier import HostTier, copy_seconds
 from core.interfaces import BaseExecutor, StepOutput
 from core.kv_cache import KVCacheManager
+from core.links import Link
 from core.loop import ServingLoop
 from core.prompt import block_hashes
 from core.replica import Replica, SchedulerLimits
@@ -81,10 +82,10 @@ def state_of(req: Request, block_size: int = 4) -> RequestState:
 
 
 def test_host_link_prices_each_direction_once_plus_bytes():
-    link = HostLink(bandwidth=1e9, latency_s=1e-5, bytes_per_block=2e6)
+    link = Link(bandwidth_bytes_s=1e9, latency_s=1e-5)
     copies = [BlockCopy("swap_out", 0, 0), BlockCopy("spill", 1, 1), BlockCopy("load", 2, 3)]
-    assert link.copy_time(copies) == pytest.approx((1e-5 + 2 * 2e-3) + (1e-5 + 2e-3))
-    assert link.copy_time([]) == 0.0
+    assert copy_seconds(copies, link, 2e6) == pytest.approx((1e-5 + 2 * 2e-3) + (1e-5 + 2e-3))
+    assert copy_seconds([], link, 2e6) == 0.0
 
 
 def test_sim_step_adds_copy_time_to_the_cost_model():
@@ -95,8 +96,8 @@ def test_sim_step_adds_copy_time_to_the_cost_model():
     state = state_of(Request("a", 0.0, 8, 2, prompt_token_ids=tuple(range(8))))
     state.status = Status.RUNNING
     batch = Batch([Chunk.next(state, 8)], copies=(BlockCopy("swap_in", 0, 0),))
-    link = HostLink(1e9, 0.0, 1e6)
-    assert CostModelExecutor(Flat(), host_link=link).execute(batch).duration_s == pytest.approx(0.5 + 1e-3)
+    ex = CostModelExecutor(Flat(), host_link=Link(1e9, 0.0), host_block_bytes=1e6)
+    assert ex.execute(batch).duration_s == pytest.approx(0.5 + 1e-3)
     with pytest.raises(RuntimeError, match="no host link"):
         CostModelExecutor(Flat()).execute(batch)
 

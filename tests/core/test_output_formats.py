@@ -34,6 +34,7 @@ from core.output import (
 from core.request import Request, RequestState, Status
 from tests.core.test_output import _states, _steps
 from tests.core.test_records import NAMES, random_log, reference_columns
+from tests.helpers import parsed
 
 
 def _same(a: dict, b: dict) -> None:
@@ -261,7 +262,7 @@ def test_tokens_none_folds_token_times_and_changes_no_metric(tmp_path, fast_forw
     assert all(g["itl_s"]["count"] > 0 for g in m["groups"]["prompt_len"].values())
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*case, "output.tokens=none", "workload.num_requests=30"])
-    result = simulate(build_loop(cfg))
+    result = simulate(build_loop(parsed(cfg)))
     assert all(s.folded is not None and not s.token_times for s in result.states)
     assert len(result.itl_pool.samples()) > 0
 

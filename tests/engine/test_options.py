@@ -1,16 +1,17 @@
-"""engine.executor.EngineOptions: the backend section, checked with messages naming backend.<key>."""
+"""engine.options.EngineOptions: the backend section, checked with messages naming backend.<key>."""
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.executor import EngineOptions
+from core.specs import ModelSpec, QuantSpec
+from engine.options import EngineOptions
 from experiments.build import CONF_DIR
 
 
 def test_the_shipped_engine_config_reads_as_options():
     o = EngineOptions.from_mapping(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "backend" / "engine.yaml")))
-    assert (o.kernels, o.device, o.dtype, o.quant, o.kv_dtype, o.warmup_steps) == ("auto", "cpu", None, None, "auto", 2)
+    assert (o.kernels, o.device, o.dtype, o.warmup_steps) == ("auto", "cpu", None, 2)
     assert o.torch_dtype is None and o.sampling.greedy
 
 
@@ -21,9 +22,8 @@ def test_whole_floats_count_and_dtypes_map():
 
 @pytest.mark.parametrize("backend, key", [
     ({"nope": 1}, "unknown keys ['nope']"), ({"dtype": "fp8"}, "backend.dtype"),
-    ({"kv_dtype": "fp8"}, "backend.kv_dtype"),
+    ({"kv_dtype": "int8"}, "unknown keys ['kv_dtype']"),  # how KV is stored: the quant section
     ({"cpu_gemm": "onednn"}, "backend.cpu_gemm"), ({"greedy_screen": "yes"}, "backend.greedy_screen"),
-    ({"quant": "w8a8"}, "backend.quant"), ({"quant_group_size": 0}, "backend.quant_group_size"),
     ({"temperature": -1}, "backend.temperature"), ({"top_p": 0}, "backend.top_p"), ({"top_k": 1.5}, "backend.top_k"),
     ({"warmup_steps": -1}, "backend.warmup_steps"), ({"num_threads": "4"}, "backend.num_threads"),
     ({"kernels": "cuda"}, "backend.kernels"), ({"ignore_eos": "yes"}, "backend.ignore_eos"),
@@ -32,3 +32,14 @@ def test_whole_floats_count_and_dtypes_map():
 def test_bad_options_name_the_key(backend, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
         EngineOptions.from_mapping(backend)
+
+
+def test_what_the_engine_can_store():
+    spec = ModelSpec("m", 2, 256, 8, 4, 32, 768, 1000)
+    EngineOptions.check_quant(QuantSpec(weight_bits=4, group_size=128, kv_bits=8), spec)
+    with pytest.raises(ValueError, match="quant.weight_bits=8: the engine stores"):
+        EngineOptions.check_quant(QuantSpec(weight_bits=8), spec)
+    with pytest.raises(ValueError, match="quant.group_size=96 must divide .* FFN 768"):
+        EngineOptions.check_quant(QuantSpec(weight_bits=4, group_size=96), spec)
+    with pytest.raises(ValueError, match="quant.kv_bits=4"):
+        QuantSpec(kv_bits=4)

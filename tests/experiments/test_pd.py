@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from core.output import REQUEST_COLUMNS, read_requests
 from experiments.build import CONF_DIR, build_loop
 from experiments.run import run
+from tests.helpers import parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["output.plots=false", "output.progress=false"]
@@ -52,7 +53,8 @@ def test_goodput_checks_ttft_and_tpot_separately(tmp_path):
 
 
 def test_link_preset_and_override():
-    from experiments.build import link
+    def link(cfg):
+        return parsed(cfg).cluster.link
 
     h100 = composed("cluster=pd", "hardware=h100", "cluster.link=rdma_400g")
     assert (link(h100).bandwidth_bytes_s, link(h100).latency_s) == (50e9, 2e-5)
@@ -74,7 +76,7 @@ def test_link_preset_and_override():
 ])
 def test_bad_pd_config_names_the_key(overrides, key):
     with pytest.raises(ValueError, match=key.replace("(", r"\(").replace(".", r"\.")):
-        build_loop(composed("cluster=pd", *overrides))
+        build_loop(parsed(composed("cluster=pd", *overrides)))
 
 
 @pytest.mark.parametrize("name", ["least_loaded", "kv_aware", "random"])
@@ -87,7 +89,7 @@ def test_user_placement_by_target(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     target = "my_policies.long_prompt_placement.LongPromptPlacement"
     cfg = composed(*PD, f"placement._target_={target}", "+placement.long_prompt=64", "workload.num_requests=10")
-    loop = build_loop(cfg)
+    loop = build_loop(parsed(cfg))
     assert type(loop.placement).__name__ == "LongPromptPlacement" and loop.placement.long_prompt == 64
     assert run(cfg, tmp_path)["pd"]["num_transfers"] == 10
 

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from core.output import read_metrics, read_timing
 from experiments.build import CONF_DIR
 from experiments.run import run
+from tests.helpers import parsed
 
 GROUPS = ("scheduler", "eviction", "router", "workload", "slo", "model", "hardware", "cost_model", "backend")
 
@@ -103,15 +104,13 @@ def test_plots_are_written(tmp_path):
     ("kv.block_size=0", "block_size"),
     ("model.num_kv_heads=3", "num_kv_heads"),
     ("scheduler.max_num_batched_tokens=1.5", "max_num_batched_tokens"),
-    ("kv.prefix_caching=maybe", "prefix_caching"),
     ("request_timeout_s=abc", "request_timeout_s"),
     ("cost_model=calibrated", "cost_model"),
-    ("kv.memory_bytes=lots", "kv.memory_bytes='lots'"),
+    ("kv.memory_bytes=-5", "kv.memory_bytes=-5.0"),
     ("kv.memory_fraction=5", "kv.memory_fraction=5"),
     ("kv.memory_fraction=0.0000001", "kv.memory_fraction=1e-07: model tiny .* does not fit"),
-    ("metrics.prompt_len_edges=abc", "metrics.prompt_len_edges='abc'"),
     ("metrics.prompt_len_edges=[512,256]", r"metrics.prompt_len_edges=\[512, 256\]"),
-    ("metrics.prefix_cost=[1]", r"metrics.prefix_cost=\[1\]"),
+    ("metrics.prefix_cost=[1]", r"metrics.prefix_cost=\[1.0\]"),
     ("metrics.percentile_method=mean", "metrics.percentile_method"),
     ("output.progress=maybe", "output.progress='maybe'"),
     ("workload.warmup_requests=12", "workload.warmup_requests=12: not below workload.num_requests=12"),
@@ -119,9 +118,9 @@ def test_plots_are_written(tmp_path):
 ])
 def test_bad_config_fails_naming_the_key(tmp_path, override, message):
     if message is None:  # engine option errors, on a valid engine config
-        for bad, key in (("backend.kv_dtype=fp8", "backend.kv_dtype"), ("backend.quant=w8a8", "backend.quant"),
-                         ("backend.quant=w4a16", "backend.quant_group_size")):
-            extra = ["backend.quant_group_size=100"] if key == "backend.quant_group_size" else []
+        for bad, key in (("backend.kernels=fast", "backend.kernels"), ("quant.weight_bits=8", "quant.weight_bits"),
+                         ("quant.weight_bits=4", "quant.group_size")):
+            extra = ["quant.group_size=100"] if key == "quant.group_size" else []
             with pytest.raises(ValueError, match=key):
                 run(cfg_with(*SMALL, override, bad, *extra), tmp_path)
         return
@@ -151,14 +150,29 @@ def test_cli_user_error_is_one_line_naming_the_key(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "experiments.run", "kv.memory_bytes=lots", f"hydra.run.dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "experiments.run", "kv.memory_bytes=-5", f"hydra.run.dir={tmp_path}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     short = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert short.returncode == 2
-    assert short.stderr.strip().splitlines() == ["error: kv.memory_bytes='lots'; allowed: a finite number > 0"]
+    assert short.stderr.strip().splitlines() == ["error: kv.memory_bytes=-5.0; allowed: a finite number > 0"]
     full = subprocess.run(cmd, cwd=root, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
                           timeout=120)
-    assert full.returncode != 0 and "Traceback" in full.stderr and "kv.memory_bytes='lots'" in full.stderr
+    assert full.returncode != 0 and "Traceback" in full.stderr and "kv.memory_bytes=-5.0" in full.stderr
+
+
+@pytest.mark.parametrize("override,key", [("kv.prefix_caching=maybe", "kv.prefix_caching"),
+                                          ("kv.memory_bytes=lots", "kv.memory_bytes"),
+                                          ("metrics.prompt_len_edges=abc", "metrics.prompt_len_edges"),
+                                          ("quant.kv_bits=four", "quant.kv_bits"),
+                                          ("kv.blocksize=32", "kv.blocksize")])
+def test_typed_sections_are_checked_by_hydra_at_composition(override, key):
+    """kv, quant, metrics and output are structured configs (experiments.config): a value of the wrong type, or a
+    key the section does not have, fails while the config is composed, naming the key."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        cfg_with(override)
+    assert key in f"{e.value} {e.value.__cause__}"
 
 
 def test_unknown_group_option_is_a_clear_error():
@@ -167,11 +181,13 @@ def test_unknown_group_option_is_a_clear_error():
 
 
 def test_checkpoint_directory_as_model_option(tmp_path):
-    from experiments.run import checkpoint_paths_to_overrides
+    from experiments.cli import checkpoint_paths_to_overrides
 
     (tmp_path / "config.json").write_text("{}")
-    assert checkpoint_paths_to_overrides([f"model={tmp_path}", "model=tiny"]) == [
-        f"model.path={Path(tmp_path).resolve()}", "model=tiny"]
+    path = f"model.path={Path(tmp_path).resolve()}"
+    assert checkpoint_paths_to_overrides([f"model={tmp_path}"]) == ["model=checkpoint", path]
+    assert checkpoint_paths_to_overrides([f"model.path={tmp_path}"]) == ["model=checkpoint", path]
+    assert checkpoint_paths_to_overrides(["model=llama3_8b", f"model.path={tmp_path}"]) == ["model=llama3_8b", path]
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -193,13 +209,15 @@ def test_a_config_that_cannot_fit_is_refused_at_once(tmp_path, overrides, key):
 
 def test_memory_estimate_counts_blocks_replicas_and_engine_tensors():
     from core.resources import block_bookkeeping_bytes
-    from experiments.build import check_memory, model_spec
+    from experiments.build import check_memory
+    from experiments.config import ClusterConfig
 
-    cfg = cfg_with(*SMALL)
+    four = ClusterConfig(num_replicas=4)
+    cfg = parsed(cfg_with(*SMALL), num_kv_blocks=1_000_000, cluster=four)
     per_block = block_bookkeeping_bytes()
-    check_memory(cfg, model_spec(cfg), 1_000_000, 4, available=4 * 1_000_000 * per_block + 10**6)  # fits
+    check_memory(cfg, available=4 * 1_000_000 * per_block + 10**6)  # fits
     with pytest.raises(ValueError, match="replicas=4"):
-        check_memory(cfg, model_spec(cfg), 1_000_000, 4, available=3 * 1_000_000 * per_block)
-    engine = cfg_with(*SMALL, "backend=engine", "model=tiny")
+        check_memory(cfg, available=3 * 1_000_000 * per_block)
+    engine = parsed(cfg_with(*SMALL, "backend=engine", "model=tiny"), num_kv_blocks=10_000)
     with pytest.raises(ValueError, match="host memory"):  # the KV tensors count for the CPU engine
-        check_memory(engine, model_spec(engine), 10_000, 1, available=10_000 * per_block + 10**6)
+        check_memory(engine, available=10_000 * per_block + 10**6)

@@ -9,8 +9,8 @@ from hydra.utils import instantiate
 
 from core.interfaces import EvictionPolicy, Router, Scheduler
 from core.request import Request, Status
-from experiments.build import build_replicas, model_spec
-from tests.helpers import simulate
+from experiments.build import build_replicas
+from tests.helpers import parsed, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -30,7 +30,7 @@ def composed(*overrides: str):
 def test_every_scheduler_config_builds_replicas_with_its_limits(name):
     cfg = composed(f"scheduler={name}")
     assert {"_target_", "max_num_batched_tokens", "max_num_seqs"} <= set(cfg.scheduler)
-    reps = build_replicas(cfg, model_spec(cfg), num_blocks=64)
+    reps = build_replicas(parsed(cfg, num_kv_blocks=64))
     assert isinstance(reps[0].scheduler, Scheduler)
     assert reps[0].limits.max_num_batched_tokens == cfg.scheduler.max_num_batched_tokens
     assert reps[0].limits.max_num_seqs == cfg.scheduler.max_num_seqs
@@ -63,7 +63,7 @@ def test_policy_zoo_is_complete():
 def test_user_policy_outside_the_packages_is_selected_by_target(monkeypatch, overrides):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     cfg = composed(*overrides)
-    reps = build_replicas(cfg, model_spec(cfg), num_blocks=64)
+    reps = build_replicas(parsed(cfg, num_kv_blocks=64))
     sched = reps[0].scheduler
     assert type(sched).__module__ == "my_policies.shortest_prompt_first"
     # it runs in the simulator: with one seat, the short prompt queued behind a long one goes first

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from core.batch import Batch, Chunk, StepFeatures
 from core.fast_forward import decode_features
-from experiments.build import CONF_DIR, build_executors, build_replicas, model_spec
+from experiments.build import CONF_DIR, build_executors, build_replicas
 from experiments.calibration.calibrate import calibrate
 from experiments.calibration.compare import median_metrics
 from experiments.run import run
@@ -24,6 +24,7 @@ from sim.cost.calibrated import calibrated_step_noise, load_calibration, write_c
 from sim.cost.linear import LinearCostModel
 from sim.executor import CostModelExecutor
 from sim.noise import MIN_STEPS, StepNoise, auto_block_steps, record_step_noise
+from tests.helpers import parsed
 
 DECODE = StepFeatures(1, 1, 0, 0, 1, 0, 100, 0, 100)
 PREFILL = StepFeatures(1, 64, 1, 64, 0, 2080, 0, 64, 64)
@@ -241,9 +242,8 @@ def test_each_replica_draws_its_own_noise(tmp_path):
 
     def factors(*overrides):
         cfg = cfg_with("cost_model=calibrated", f"cost_model.path={path}", "replicas=2", *overrides)
-        spec = model_spec(cfg)
-        return [ex.noise.factors(0, 200, "decode").copy()
-                for ex in build_executors(cfg, spec, build_replicas(cfg, spec, 64))]
+        run = parsed(cfg, num_kv_blocks=64)
+        return [ex.noise.factors(0, 200, "decode").copy() for ex in build_executors(run, build_replicas(run))]
 
     a, b = factors()
     assert not np.array_equal(a, b)

@@ -162,13 +162,17 @@ def test_bad_spec_config_names_the_key():
 
 def test_calibration_grid_has_verify_shapes_and_the_fit_prices_drafts():
     from experiments.calibration.grid import config_grid
+    from experiments.config import RunConfig
     from sim.cost.base import decode_features
     from sim.fit import fit_linear
 
-    shapes, _, grid = config_grid(cfg_with("spec=ngram", "spec.num_speculative_tokens=3", name="calibrate"))
+    cfg = cfg_with("spec=ngram", "spec.num_speculative_tokens=3", name="calibrate")
+    shapes, _, grid = config_grid(RunConfig.from_config(cfg), cfg.calibrate.grid)
     verify = [s for s in shapes if s.group == "verify"]
     assert grid["verify_drafts"] == [3] and verify and all(s.drafts == 3 for s in verify)
-    assert not [s for s in config_grid(cfg_with(name="calibrate"))[0] if s.group == "verify"]  # spec off: none
+    off = cfg_with(name="calibrate")
+    assert not [s for s in config_grid(RunConfig.from_config(off), off.calibrate.grid)[0]
+                if s.group == "verify"]  # spec off: none
     # steps priced with a known per-draft cost: the fit recovers it
     truth = {"c0_s": 1e-3, "per_decode_seq_s": 2e-4, "per_kv_token_read_s": 1e-7, "per_draft_token_s": 5e-4}
     steps = []

@@ -100,11 +100,9 @@ class Prompts:
 
 
 
-def build_prompts(cfg: DictConfig, target: Target) -> Prompts:
+def build_prompts(cfg: DictConfig, target: Target, vocab_size: int) -> Prompts:
     """Tokens or text prompts for ``target``; the vocabulary comes from the tokenizer when one is named
-    (``target.tokenizer``, else ``model.path`` in text mode), else from the model config."""
-    from experiments.build import model_spec
-
+    (``target.tokenizer``, else ``model.path`` in text mode), else it is the model's ``vocab_size``."""
     tok_dir = target.tokenizer
     if tok_dir is None and target.prompt_mode == "text":
         tok_dir = cfg.model.get("path")
@@ -113,8 +111,7 @@ def build_prompts(cfg: DictConfig, target: Target) -> Prompts:
                              "or model.path=DIR")
     seed = int(cfg.get("seed", 0))
     if tok_dir is None:
-        return Prompts("tokens", model_spec(cfg).vocab_size, seed)
+        return Prompts("tokens", vocab_size, seed)
     tok = load_tokenizer(tok_dir)
     text = TextPrompts(tok) if target.prompt_mode == "text" else None
     return Prompts(target.prompt_mode, len(tok), seed, text)
-

@@ -56,6 +56,9 @@ from omegaconf import DictConfig, OmegaConf
 from core.interfaces import Workload
 from core.metrics import stats
 from core.request import Request, RequestState
+from core.specs import ModelSpec
+from experiments.cli import hydra_app
+from experiments.config import MetricsConfig, OutputConfig, plain, section
 from experiments.serving.loadgen.client import CLIENT_COLUMNS, ClientRecord, LoadGen
 from experiments.serving.loadgen.prompts import build_prompts
 from experiments.serving.loadgen.target import Target
@@ -87,19 +90,20 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
     ``client``: a LoadGen subclass to run instead (e.g. instrumented, as in ``experiments.benchmarks.loadgen``)."""
     from core.metrics import summarize
     from core.workload.base import OpenLoop
-    from experiments.build import build_workload, metrics_options, model_spec, progress_bar
+    from experiments.build import build_workload, summary_options
     from experiments.serving.bench_result import bench_serve_result, write_measured_run
 
     target = Target.from_mapping(cfg.target)
-    options = metrics_options(cfg, model_spec(cfg))
+    model = ModelSpec.from_config(plain(cfg.model))
+    output = section(OutputConfig, "output", cfg.get("output"))
+    options = summary_options(section(MetricsConfig, "metrics", cfg.get("metrics")), cfg.slo, model)
     workload = build_workload(cfg.workload)
-    prompts = build_prompts(cfg, target)
+    prompts = build_prompts(cfg, target, model.vocab_size)
     # open-loop requests are known up front: their count gives the progress bar a total and an ETA
     requests = list(workload.initial()) if isinstance(workload, OpenLoop) else None
     if requests is not None:
         workload = _Fixed(workload, requests)
-    output = cfg.get("output") or {}
-    gen = (client or LoadGen)(workload, target, prompts, progress=progress_bar(output.get("progress", "auto")),
+    gen = (client or LoadGen)(workload, target, prompts, progress=output.show_progress,
                               total=_known_total(workload, requests))
     res = gen.run()
 
@@ -123,7 +127,7 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
         "client.csv": _client_csv(res.records),
         "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
     }, timing={"wall_s": res.wall_s})
-    if output.get("plots", False):
+    if output.plots:
         from core.output import read_metrics, read_requests_csv, read_tokens_csv
         from experiments import plots
 
@@ -158,7 +162,8 @@ def summary_line(metrics: Mapping[str, Any]) -> str:
             f"{ms(lag['max'])}")
 
 
-def _main(cfg: DictConfig) -> None:
+@hydra_app("loadgen")
+def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     out_dir = HydraConfig.get().runtime.output_dir
@@ -168,14 +173,6 @@ def _main(cfg: DictConfig) -> None:
     log.info(f"wrote {out_dir} ({time.perf_counter() - t:.1f} s)")
 
 
-def main() -> None:
-    import hydra
-
-    from experiments.build import CONF_DIR
-    from experiments.cli import user_errors
-
-    # an absolute config path: works as `python -m experiments.loadgen` and as the twinserve-loadgen console script
-    hydra.main(config_path=str(CONF_DIR), config_name="loadgen", version_base="1.3")(user_errors(_main))()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and receive tokens through one ``asyncio.Queue`` per request, filled from the lo
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import Any
 
 from core.batch import Batch
 from core.loop import ServingLoop
+from core.metrics import ITLPool
 from core.realtime import RealTimeClock
 from core.records import StepRecord
 from core.request import Request, RequestState, Status
@@ -174,10 +176,12 @@ class LoopThread:
         while time.monotonic() < deadline and self.clock.call(self.loop.unfinished).result(timeout=10):
             time.sleep(0.01)
 
-    def records(self) -> tuple[list[RequestState], list[StepRecord]]:
-        """Copies of the terminal request states and the steps so far (taken on the loop thread)."""
-        return self.clock.call(lambda: ([s for s in self.loop.states if s.status.terminal],
-                                        list(self.loop.steps))).result(timeout=30)
+    def records(self) -> tuple[list[RequestState], list[StepRecord], ITLPool | None]:
+        """Copies of the terminal request states, the steps so far and the ITL pool (``output.tokens=none``) taken
+        on the loop thread."""
+        loop = self.loop
+        return self.clock.call(lambda: ([s for s in loop.states if s.status.terminal], list(loop.steps),
+                                        copy.deepcopy(loop.itl_pool))).result(timeout=30)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TokenEvent | EndEvent]]) -> None:

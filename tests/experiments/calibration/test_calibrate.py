@@ -13,18 +13,19 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from core.batch import StepFeatures
-from experiments.build import CONF_DIR, build_executors, build_replicas, engine_clock, model_spec
+from experiments.build import CONF_DIR, build_executors, build_replicas
 from experiments.calibration.calibrate import calibrate
 from experiments.calibration.grid import Shape, config_grid, grid_plan, grid_shapes
 from experiments.calibration.profile import profile, read_profile
 from experiments.calibration.samples import request_samples_from_run
+from experiments.config import RunConfig
 from experiments.run import run
 from experiments.serving.server.process import ServerProcess
 from sim.cost.linear import LinearCostModel
 from sim.fit import fit_linear_requests
+from tests.helpers import parsed
 
 TRUE = {"c0_s": 2e-3, "per_prefill_token_s": 5e-5, "per_decode_seq_s": 3e-4, "per_attention_pair_s": 2e-8,
         "per_kv_token_read_s": 1e-6}
@@ -71,7 +72,7 @@ def test_profiled_batches_have_the_shapes_features():
     """Features of the batches the profile built against the KV manager equal those computed by hand."""
     shapes = [Shape("prefill", "a", prefills=((100, 30),)), Shape("decode", "b", decodes=(20, 20, 20)),
               Shape("mixed", "c", prefills=((64, 32),), decodes=(64, 64))]
-    rows = profile(sim_cfg(), shapes, repeats=2, warmup=1)
+    rows = profile(RunConfig.from_config(sim_cfg()), shapes, repeats=2, warmup=1)
     pairs_a = 30 * 100 + 30 * 31 // 2
     assert rows[0].features == StepFeatures(num_seqs=1, num_batched_tokens=30, num_prefill_seqs=1,
                                             num_prefill_tokens=30, attention_pairs=pairs_a, prefill_kv_tokens=130,
@@ -145,6 +146,9 @@ def test_nothing_to_fit_is_an_error(tmp_path):
 
 
 def test_engine_clock_choice():
+    def engine_clock(cfg):
+        return RunConfig.from_config(cfg).engine_clock
+
     assert engine_clock(cfg_with()) == "thread"  # CPU engine on one thread
     assert engine_clock(cfg_with("backend.num_threads=2")) == "wall"
     assert engine_clock(cfg_with("engine_clock=wall")) == "wall"
@@ -165,16 +169,20 @@ def test_engine_profile_on_the_tiny_model(tmp_path):
     assert (tmp_path / "calibration_scatter.png").stat().st_size > 10_000
     report = json.loads((tmp_path / "fit_report.json").read_text())
     assert report["engine_clock"] == "thread" and report["backend"] == "engine"
-    small = OmegaConf.merge(cfg, {"kv": {"num_blocks": 8}})
-    spec = model_spec(small)
-    assert build_executors(small, spec, build_replicas(small, spec, 8))[0].stopwatch is time.thread_time
+    small = parsed(cfg, num_kv_blocks=8)
+    assert build_executors(small, build_replicas(small))[0].stopwatch is time.thread_time
+
+
+def grid_of(cfg):
+    """``config_grid`` of a composed calibrate config."""
+    return config_grid(RunConfig.from_config(cfg), cfg.calibrate.grid)
 
 
 def test_auto_grid_spans_the_model_and_the_scheduler():
     """auto = the whole context range and batch sizes up to max_num_seqs; shapes beyond the KV pool are left out
     with a note, as are chunk + cached-context combinations beyond max_model_len."""
     cfg = cfg_with("kv.num_blocks=1024")
-    shapes, notes, grid = config_grid(cfg)
+    shapes, notes, grid = grid_of(cfg)
     assert grid["prefill_lens"] == [8, 16, 32, 64, 128, 256, 512]  # up to the token budget
     assert grid["prefill_cached"] == [0, 128, 512, 1536]  # up to max_model_len - budget
     assert grid["decode_batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]  # up to max_num_seqs
@@ -186,8 +194,8 @@ def test_auto_grid_spans_the_model_and_the_scheduler():
     assert all(s.blocks(16) <= 1024 for s in shapes)
     assert len(shapes) + len(notes) == 7 * 4 + 7 * 4 + 3 * 2
     # another model and scheduler: the grid follows them
-    _, _, grid = config_grid(cfg_with("model=llama3_8b", "hardware=h100", "scheduler.max_num_batched_tokens=2048",
-                                      "scheduler.max_num_seqs=256", "backend=sim"))
+    _, _, grid = grid_of(cfg_with("model=llama3_8b", "hardware=h100", "scheduler.max_num_batched_tokens=2048",
+                                  "scheduler.max_num_seqs=256", "backend=sim"))
     assert grid["prefill_lens"][-1] == 2048 and grid["decode_batch_sizes"][-1] == 256
     assert grid["decode_contexts"][-1] == 8192 and grid["prefill_cached"][-1] == 8192 - 2048
     # a combination beyond max_model_len is skipped; a single value beyond it is an error
@@ -200,7 +208,8 @@ def test_auto_grid_spans_the_model_and_the_scheduler():
 def test_profiled_decodes_advance_like_a_run():
     """Each execution of a decode shape decodes one more token of the same sequences (as a run's consecutive
     steps do); the row's features are those of the median execution, at the shape's context."""
-    rows = profile(sim_cfg(), [Shape("decode", "d", decodes=(100, 100))], repeats=3, warmup=1)
+    rows = profile(RunConfig.from_config(sim_cfg()), [Shape("decode", "d", decodes=(100, 100))], repeats=3,
+                   warmup=1)
     truth = LinearCostModel(**TRUE)
     assert rows[0].features == StepFeatures(num_seqs=2, num_batched_tokens=2, num_decode_seqs=2, kv_tokens_read=200,
                                             max_context_len=100)

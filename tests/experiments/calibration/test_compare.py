@@ -53,7 +53,7 @@ def test_percentile_errors_by_hand():
 def test_runs_taking_turns_write_what_solo_runs_write(tmp_path):
     """Turn-taking changes when steps run on the machine, never a run's own timeline: simulated runs (which do
     not measure time) come out byte for byte as alone. With a primary, the other run stops when it ends."""
-    a = cfg_with("backend=sim", "workload.num_requests=20", "output.plots=false")
+    a = cfg_with("workload.num_requests=20", "output.plots=false", name="config")
     b = apply_overrides(a, ["workload=shared_prefix", "workload.num_requests=60", "scheduler=orca"])
     run(a, tmp_path / "solo_a")
     run(b, tmp_path / "solo_b")
@@ -169,14 +169,14 @@ def _known_linear(tmp_path):
 
     from sim.cost.calibrated import write_calibration
 
-    return write_calibration(tmp_path / "known.yaml", instantiate(cfg_with("backend=sim").cost_model))
+    return write_calibration(tmp_path / "known.yaml", instantiate(cfg_with(name="config").cost_model))
 
 
 def test_a_measured_run_directory_is_compared_on_its_own_workload(tmp_path):
     """A black-box run (here: a simulated run with the hand-set linear model, standing in for a loadgen run) compared
     with the simulator calibrated with that same model: the sim runs the recorded workload, so every error is 0."""
     measured = tmp_path / "measured"
-    run(cfg_with("backend=sim", "workload=shared_prefix", "workload.num_requests=30", "output.plots=false"), measured)
+    run(cfg_with("workload=shared_prefix", "workload.num_requests=30", "output.plots=false", name="config"), measured)
     (measured / "steps.csv").unlink()  # a black box has no steps
     summary = compare(cfg_with(f"compare.measured={measured}", f"compare.calibration={_known_linear(tmp_path)}",
                                "compare.rates=[]", "calibrate.profile=false"), tmp_path / "cmp")
@@ -203,7 +203,7 @@ def test_a_vllm_bench_serve_json_is_a_measured_run(tmp_path):
 
 
 def test_measured_needs_a_calibration(tmp_path):
-    run(cfg_with("backend=sim", "workload.num_requests=5", "output.plots=false"), tmp_path / "m")
+    run(cfg_with("workload.num_requests=5", "output.plots=false", name="config"), tmp_path / "m")
     with pytest.raises(ValueError, match="compare.calibration"):
         compare(cfg_with(f"compare.measured={tmp_path / 'm'}", "compare.rates=[]", "calibrate.profile=false"),
                 tmp_path / "cmp")

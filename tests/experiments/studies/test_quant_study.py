@@ -86,9 +86,10 @@ def test_gpu_prediction_by_hand():
 
 def test_int8_kv_capacity_by_hand():
     cfg = _compose("study.kv_memory_bytes=1e9", "study.capacity_contexts=[256,1024]")
-    from experiments.build import hardware_spec, model_spec
+    from experiments.config import RunConfig
 
-    cap = kv_capacity(cfg, model_spec(cfg), hardware_spec(cfg))
+    run = RunConfig.from_config(cfg)
+    cap = kv_capacity(cfg, run.model, run.hardware)
     # tiny: 4 layers x (K, V) x 16 slots x 4 kv heads x 32 dims; float32 4 B, int8 1 B + a float32 scale per
     # slot and head (both backends size the pool with the scales counted)
     fp32, int8_engine = (2 * 4 * 16 * 4 * 32 * 4, 2 * 4 * 16 * 4 * (32 + 4))
