@@ -102,8 +102,9 @@ class PDServingLoop(ServingLoop):
         need = decode[0].kv.blocks_for(req.prompt_len + req.max_new_tokens - 1)
         room = min(r.kv.num_blocks for r in decode)
         if not state.status.terminal and need > room:
-            self.replicas[state.replica].abort(req.id, self.clock.now, f"needs {need} KV blocks on a decode replica; "
-                                               f"the smallest decode pool has {room}", Status.REJECTED)
+            self.replicas[state.replica].end_early(req.id, self.clock.now, Status.REJECTED,
+                                                   f"needs {need} KV blocks on a decode replica; the smallest decode "
+                                                   f"pool has {room}")
         return state
 
     def _route(self, req: Request) -> int:

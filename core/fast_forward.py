@@ -7,7 +7,8 @@ executor predicts decode steps (``Executor.predicts_decodes``: the simulator's c
 are known in advance: the same decodes, each request one token further, each step reading ``num_seqs`` more KV
 tokens. A ``DecodeRun`` then stands for those steps:
 
-- step times come from ``Executor.decode_run`` (vectorised over the growing context, bit-identical to ``execute``);
+- step times come from ``Executor.forecast_decodes`` (vectorised over the growing context, bit-identical to
+  ``execute``);
 - the KV allocations the scheduler would make (a request crossing a block boundary) are made at the same step
   start, in the scheduler's order, with the same clock reading, so the pool, the eviction policy and the prefix
   cache evolve exactly as per step;
@@ -44,17 +45,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from core.batch import StepFeatures
 from core.interfaces import Executor
+from core.kv_cache import KVCacheManager
 from core.records import DecodeSteps, StepLog
 from core.request import RequestState
 
-if TYPE_CHECKING:
-    from core.replica import Replica
-
-FIRST_CHUNK = 64  # steps priced by the first Executor.decode_run call; each further call doubles, up to MAX_CHUNK
+FIRST_CHUNK = 64  # steps priced by the first Executor.forecast_decodes call; each further call doubles, up to MAX_CHUNK
 MAX_CHUNK = 1024
 
 
@@ -71,25 +69,27 @@ class DecodeRun:
     log, and starts the next: its duration, or None: the run ends); ``Replica.end_decode_run`` then ``close``
     end it."""
 
-    __slots__ = ("replica", "states", "first", "executor", "kv", "interrupted", "timeout", "min_arrival", "limit",
+    __slots__ = ("states", "first", "executor", "kv", "interrupted", "timeout", "min_arrival", "limit",
                  "token", "durations", "ends", "synced", "m", "used_blocks", "record", "_row",
                  "_allocs", "_next_alloc", "_until", "_bs")
 
-    def __init__(self, replica: Replica, order: Sequence[RequestState], executor: Executor, limit: int) -> None:
-        self.replica, self.executor, self.kv = replica, executor, replica.kv
+    def __init__(self, kv: KVCacheManager, waiting: Sequence[RequestState], timeout_s: float | None,
+                 order: Sequence[RequestState], executor: Executor, limit: int) -> None:
+        """``kv``, ``waiting``, ``timeout_s``: the replica's KV pool, waiting queue and request timeout."""
+        self.executor, self.kv = executor, kv
         self.states = states = list(order)  # the order the scheduler decodes and allocates in (steady_decode)
         n = len(states)
         ctx = [s.num_computed_tokens + 1 for s in states]  # each next decode attends to its context and itself
         self.first = StepFeatures(n, n, 0, 0, n, 0, sum(ctx), 0, max(ctx), 0)
-        run = executor.decode_run(self.first, min(FIRST_CHUNK, limit))
+        run = executor.forecast_decodes(self.first, min(FIRST_CHUNK, limit))
         self.durations: list[float] = list(run.durations)
         self.token = run.token
         if any(self.token in s.stop_token_ids for s in states):
             limit = min(limit, finish_limit(states, self.token))
         self.limit = limit
         self.interrupted = False  # set by the replica (``interrupt``)
-        self.timeout = timeout = replica.limits.request_timeout_s
-        self.min_arrival = (min(s.request.arrival_s for s in (*states, *replica.waiting)) if timeout is not None
+        self.timeout = timeout = timeout_s
+        self.min_arrival = (min(s.request.arrival_s for s in (*states, *waiting)) if timeout is not None
                             else 0.0)
         self.ends: list[float] = []  # end time of each completed step (shared with the step log's record)
         self.synced = 0  # completed steps whose tokens are in the request states
@@ -142,7 +142,7 @@ class DecodeRun:
         """The run is over and its tokens synced: its step log entry shrinks to its final size; the executor learns
         how many of its priced steps were taken."""
         self.record.close()
-        self.executor.decode_run_done(self.m)
+        self.executor.decodes_taken(self.m)
 
     def _horizon(self, m: int, now: float) -> bool:
         """Step m is where the run may end, allocate KV or run out of priced steps: False if it ends, else the
@@ -154,7 +154,7 @@ class DecodeRun:
         durations = self.durations
         if m >= len(durations):
             size = min(max(FIRST_CHUNK, min(2 * len(durations), MAX_CHUNK)), self.limit - m)
-            durations.extend(self.executor.decode_run(decode_features(self.first, m), size).durations)
+            durations.extend(self.executor.forecast_decodes(decode_features(self.first, m), size).durations)
         self._until = min(self.limit, self._next_alloc, len(durations))
         return True
 

@@ -259,8 +259,8 @@ class Workload(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeRun:
-    """An executor's prediction of consecutive pure-decode steps (``Executor.decode_run``): ``durations[m]`` is
+class DecodeForecast:
+    """An executor's prediction of consecutive pure-decode steps (``Executor.forecast_decodes``): ``durations[m]`` is
     step m's duration, bit-identical to what ``execute`` would return for that step's batch, and every step samples
     ``token`` for every sequence."""
 
@@ -302,20 +302,20 @@ class Executor(Protocol):
 
     @property
     def predicts_decodes(self) -> bool:
-        """True if ``decode_run`` can predict pure-decode steps without seeing their batches (a stateless cost-model
-        executor). False (``BaseExecutor``'s default): every step goes through ``execute`` -- an engine that runs
-        the model, a replay that checks each recorded batch."""
+        """True if ``forecast_decodes`` can predict pure-decode steps without seeing their batches (a stateless
+        cost-model executor). False (``BaseExecutor``'s default): every step goes through ``execute`` -- an engine
+        that runs the model, a replay that checks each recorded batch."""
         ...
 
-    def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
+    def forecast_decodes(self, first: StepFeatures, num_steps: int) -> DecodeForecast:
         """Predict ``num_steps`` consecutive steps that each decode the same ``first.num_decode_seqs`` sequences:
         step m reads ``first.kv_tokens_read + m * num_decode_seqs`` KV tokens and has ``max_context_len``
         ``first.max_context_len + m`` (``core.fast_forward.decode_features``). Only called when
         ``predicts_decodes``; durations must equal ``execute``'s for those batches bit for bit."""
         ...
 
-    def decode_run_done(self, num_steps: int) -> None:
-        """The decode run (the ``decode_run`` calls since the last ``execute``) ended after starting ``num_steps``
+    def decodes_taken(self, num_steps: int) -> None:
+        """The decode run (the ``forecast_decodes`` calls since the last ``execute``) ended after starting ``num_steps``
         of the steps priced: they were taken, the rest never run (a cost model with step noise counts steps)."""
         ...
 
@@ -333,10 +333,10 @@ class BaseExecutor:
     copy_s: float = 0.0
     predicts_decodes: bool = False  # every step goes through execute() (see Executor.predicts_decodes)
 
-    def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
+    def forecast_decodes(self, first: StepFeatures, num_steps: int) -> DecodeForecast:
         raise NotImplementedError(f"{type(self).__name__} does not predict decode steps (predicts_decodes is False)")
 
-    def decode_run_done(self, num_steps: int) -> None:
+    def decodes_taken(self, num_steps: int) -> None:
         pass
 
     def release(self, request_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Run metrics, as DESIGN section 6 defines them (the definitions are part of the product).
+"""Run metrics, as docs/outputs.md defines them (the definitions are part of the product).
 
 Per request (``request_metrics``):
 - TTFT = first token - arrival; E2E = finish - arrival (FINISHED requests only);

@@ -1,4 +1,4 @@
-"""The output files of one run (DESIGN section 8) and readers for them.
+"""The output files of one run (docs/outputs.md) and readers for them.
 
 Both backends write the same files: requests.csv, tokens.csv, steps.csv, metrics.json. Formatting is
 deterministic (floats by ``repr``, requests ordered by arrival then input order, JSON with sorted keys),

@@ -162,21 +162,28 @@ class Replica:
         self._interrupt_decode_run()
         return state
 
-    def abort(self, request_id: str, now: float, reason: str = "cancelled",
-              status: Status = Status.CANCELLED) -> RequestState | None:
-        """End a request early with ``status`` (CANCELLED: the client went away or the server cancelled it;
-        a server may also pass FINISHED, e.g. when it saw a stop string) and ``reason``.
+    def abort(self, request_id: str, now: float, reason: str = "cancelled") -> RequestState | None:
+        """Cancel a request (the client went away, the server cancelled it): it ends CANCELLED (``end_early``)."""
+        return self.end_early(request_id, now, Status.CANCELLED, reason)
+
+    def finish_early(self, request_id: str, now: float, reason: str) -> RequestState | None:
+        """A request's answer is complete before the replica saw it end (a server matched a stop string in its
+        text): it ends FINISHED (``end_early``)."""
+        return self.end_early(request_id, now, Status.FINISHED, reason)
+
+    def end_early(self, request_id: str, now: float, status: Status, reason: str) -> RequestState | None:
+        """End a request before it ran to its end, with the terminal ``status`` and ``reason``.
 
         A waiting or preempted request ends now (it leaves the queue; it holds no KV). A running one is marked and
         ends at the start of this replica's next ``schedule()``, which frees its KV blocks and calls
-        ``on_terminal``: on a real-time clock the abort runs between steps, possibly while a step that includes it
-        is in flight (between ``execute`` and ``apply``), and ``apply`` must never see a request whose blocks
-        were freed. That step's token is still appended; if it finishes the request (EOS, stop id, length), it
-        ends FINISHED as usual and the abort is dropped. Returns the request's state, or None for an id this
+        ``on_terminal``: on a real-time clock this runs between steps, possibly while a step that includes the
+        request is in flight (between ``execute`` and ``apply``), and ``apply`` must never see a request whose
+        blocks were freed. That step's token is still appended; if it finishes the request (EOS, stop id, length),
+        it ends FINISHED as usual and the early end is dropped. Returns the request's state, or None for an id this
         replica does not hold (unknown, or already ended). Call it on the loop's thread.
         """
         if not status.terminal:
-            raise ValueError(f"abort: status must be terminal, got {status.name}")
+            raise ValueError(f"end_early: status must be terminal, got {status.name}")
         for state in self.waiting:
             if state.id == request_id:
                 self.waiting.remove(state)
@@ -185,7 +192,7 @@ class Replica:
                 return state
         for state in self.running:
             if state.id == request_id:
-                self._aborts.setdefault(request_id, (state, status, reason))  # the first abort's status wins
+                self._aborts.setdefault(request_id, (state, status, reason))  # the first early end's status wins
                 self._interrupt_decode_run()
                 return state
         return None
@@ -386,7 +393,7 @@ class Replica:
         if len(order) != len(running):
             raise RuntimeError(f"{type(self.scheduler).__name__}.steady_decode returned {len(order)} requests; "
                                f"{len(running)} are running (it must order all of them)")
-        run = DecodeRun(self, order, executor, limit)
+        run = DecodeRun(self.kv, self.waiting, self.limits.request_timeout_s, order, executor, limit)
         if run.limit <= 0:
             return None
         if self._adopted:  # adopted during the step just applied: the run ends before its first step

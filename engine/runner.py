@@ -41,7 +41,7 @@ class StepInputs:
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutput:
+class ForwardOutput:
     """What a forward step leaves for sampling: the sampled rows' final hidden states, or (a CUDA graph replay)
     their logits."""
 
@@ -249,7 +249,7 @@ class ModelRunner:
         return self._verify(self._logits(out), inputs)
 
     def _forward(self, batch: Batch, block_table: Callable[[str], list[int]],
-                 drafts: Mapping[str, list[int]] | None) -> tuple[StepOutput | None, StepInputs | None]:
+                 drafts: Mapping[str, list[int]] | None) -> tuple[ForwardOutput | None, StepInputs | None]:
         """The step's final hidden states of the sampled rows (logits, from a CUDA graph), or None: nothing
         samples."""
         if batch.empty:
@@ -258,17 +258,17 @@ class ModelRunner:
         f, graphs = batch.features, self.graphs
         if graphs is not None and f.num_decode_seqs == f.num_batched_tokens == f.num_seqs \
                 and graphs.fits(f.num_seqs, inputs.meta.block_tables.shape[1]):
-            return StepOutput(logits=graphs.run(inputs.input_ids, inputs.positions, inputs.meta)), inputs
+            return ForwardOutput(logits=graphs.run(inputs.input_ids, inputs.positions, inputs.meta)), inputs
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
                             rows=inputs.logits_rows)
         if inputs.logits_rows.numel() == 0:
             return None, inputs
-        return StepOutput(hidden=hidden), inputs
+        return ForwardOutput(hidden=hidden), inputs
 
-    def _logits(self, out: StepOutput) -> torch.Tensor:
+    def _logits(self, out: ForwardOutput) -> torch.Tensor:
         return out.logits if out.logits is not None else self.model.compute_logits(out.hidden)
 
-    def _sample(self, out: StepOutput, inputs: StepInputs) -> torch.Tensor:
+    def _sample(self, out: ForwardOutput, inputs: StepInputs) -> torch.Tensor:
         """One token per sampled row. When every row is greedy the model may take them without the full logits
         (LlamaForCausalLM.greedy_tokens: the same tokens)."""
         if out.hidden is not None and self.sampler.all_greedy(inputs.sample_states):

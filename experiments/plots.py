@@ -1,6 +1,6 @@
 """The one plotting module: every figure of every experiment uses these styles and helpers.
 
-Figures read the run directory files (DESIGN section 8), so they work the same on sim and engine runs and
+Figures read the run directory files (docs/outputs.md), so they work the same on sim and engine runs and
 on runs made earlier. Several runs passed together are overlaid (e.g. sim vs engine).
 """
 

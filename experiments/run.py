@@ -26,7 +26,7 @@ from experiments.build import MakeExecutors, build_loop, run_summary_options
 from experiments.cli import hydra_app
 from experiments.config import RunConfig
 from experiments.overrides import with_backend
-from sim.clock import simulate
+from sim.clock import run_virtual
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def run(cfg: DictConfig | RunConfig, out_dir: str | Path, make_executors: MakeEx
     loop = build_loop(rc, make_executors)
     t0 = time.perf_counter()
     try:
-        result = simulate(loop, progress=rc.output.show_progress)
+        result = run_virtual(loop, progress=rc.output.show_progress)
     except BaseException as e:
         partial = loop.result(time.perf_counter() - t0)
         ended = [st for st in partial.states if st.status.terminal]

@@ -4,7 +4,7 @@ Time jumps by each step's duration, whatever produced it: a cost model, a replay
 measured step (the virtual-measured clock of engine runs: requests arrive at their trace times, idle gaps are
 skipped instead of slept, so a replay of the engine's step times reproduces its timestamps exactly).
 
-``HeapClock`` (the default of ``simulate``) and ``SimPyClock`` produce the same event order, hence identical runs;
+``HeapClock`` (the default of ``run_virtual``) and ``SimPyClock`` produce the same event order, hence identical runs;
 the heap is several times cheaper per event. Fast-forwarded decode steps (``core.fast_forward``) are still one
 event each, so the order of events -- and every output -- is the per-step run's.
 """
@@ -139,7 +139,7 @@ class HeapClock:
 CLOCKS = {"heap": HeapClock, "simpy": SimPyClock}
 
 
-def simulate(loop: ServingLoop, progress: bool = False, clock: str = "heap") -> RunResult:
+def run_virtual(loop: ServingLoop, progress: bool = False, clock: str = "heap") -> RunResult:
     """Run ``loop`` to the end in simulated time (every request terminal, no event left). ``clock``: ``heap``
     (``HeapClock``, the default) or ``simpy`` (``SimPyClock``): the same event order, so the same outputs."""
     t0 = time.perf_counter()

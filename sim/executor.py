@@ -5,7 +5,7 @@ from __future__ import annotations
 from core.batch import Batch, StepFeatures
 from core.fast_forward import decode_features
 from core.host_tier import copy_seconds
-from core.interfaces import BaseExecutor, DecodeRun, StepOutput
+from core.interfaces import BaseExecutor, DecodeForecast, StepOutput
 from core.links import Link
 from sim.cost.base import CostModel, DecodeCostModel
 from sim.noise import StepNoise
@@ -22,7 +22,7 @@ class CostModelExecutor(BaseExecutor):
 
     With ``noise`` (``sim.noise.StepNoise``) the forward pass of the replica's i-th step takes the cost model's time
     times the noise's i-th factor for its kind. Steps are counted as they run: ``execute`` takes one, a decode run
-    prices ahead and ``decode_run_done`` takes the steps it started, so fast-forward gives every step the factor it
+    prices ahead and ``decodes_taken`` takes the steps it started, so fast-forward gives every step the factor it
     gets step by step.
     """
 
@@ -62,7 +62,7 @@ class CostModelExecutor(BaseExecutor):
         counts = [1 + spec.accepted(ch.num_draft_tokens) for ch in batch.chunks if ch.samples]
         return StepOutput([self.token_id] * sum(counts), duration + spec.draft_time(batch), counts)
 
-    def decode_run(self, first: StepFeatures, num_steps: int) -> DecodeRun:
+    def forecast_decodes(self, first: StepFeatures, num_steps: int) -> DecodeForecast:
         cm = self.cost_model
         if self._vectorised:
             durations = cm.decode_step_times(first, num_steps)
@@ -72,8 +72,8 @@ class CostModelExecutor(BaseExecutor):
             factors = self.noise.factors(self._step + self._priced, num_steps, "decode")
             durations = [d * f for d, f in zip(durations, factors.tolist(), strict=True)]
         self._priced += num_steps
-        return DecodeRun(durations, self.token_id)
+        return DecodeForecast(durations, self.token_id)
 
-    def decode_run_done(self, num_steps: int) -> None:
+    def decodes_taken(self, num_steps: int) -> None:
         self._step += num_steps
         self._priced = 0

@@ -14,7 +14,7 @@ from core.replica import Replica, SchedulerLimits
 from core.request import Request, RequestState
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
-from sim.clock import simulate as run_simulated
+from sim.clock import run_virtual
 
 
 class ListWorkload:
@@ -47,7 +47,7 @@ def simulate(requests: Sequence[Request], scheduler_factory, *, step_time=lambda
                     SchedulerLimits(**limits)) for i in range(replicas)]
     loop = ServingLoop(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
                        ListWorkload(requests), keep_batches=keep_batches)
-    return run_simulated(loop), reps
+    return run_virtual(loop), reps
 
 
 def parsed(cfg: Any, **changes: Any) -> Any:

@@ -48,7 +48,7 @@ from kernels.greedy_screen import screen_library
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from sim.cost.roofline import OpCost, RooflineCostModel
 
 PROBE_BYTES = 256 << 20  # well past any L3: the probe streams from DRAM as decode steps do
@@ -132,7 +132,7 @@ def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[
     reqs = [Request(f"r{i}", 0.0, len(p), n, prompt_token_ids=tuple(p)) for i, (p, n) in pairs]
     cpu0 = time.process_time()
     try:
-        res = simulate(ServingLoop([replica], [ex], RoundRobinRouter(), _Requests(reqs)))
+        res = run_virtual(ServingLoop([replica], [ex], RoundRobinRouter(), _Requests(reqs)))
     finally:
         del ex.runner.model.forward  # the model is shared between runs: drop the instance-level wrapper
     cpu_s = time.process_time() - cpu0

@@ -66,7 +66,7 @@ def run_loop(overrides: list[str]) -> dict:
 
     from experiments.build import CONF_DIR, build_loop
     from experiments.config import RunConfig
-    from sim.clock import simulate
+    from sim.clock import run_virtual
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
@@ -74,7 +74,7 @@ def run_loop(overrides: list[str]) -> dict:
     loop = build_loop(RunConfig.from_config(cfg))
     build_s = time.perf_counter() - t0
     cpu0, w0 = time.process_time(), time.perf_counter()
-    res = simulate(loop)
+    res = run_virtual(loop)
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - w0
     return {"requests": len(res.states), "steps": len(res.steps), "simulated_s": res.end_s, "wall_s": wall_s,
             "cpu_s": cpu_s, "build_s": build_s}

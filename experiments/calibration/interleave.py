@@ -17,7 +17,7 @@ from core.replica import Replica
 from experiments.build import build_executors, build_loop, build_replicas
 from experiments.config import RunConfig
 from experiments.run import finish_run
-from sim.clock import simulate
+from sim.clock import run_virtual
 
 
 class _Baton:
@@ -130,7 +130,7 @@ def run_interleaved(cfgs: Mapping[str, DictConfig], out_dirs: Mapping[str, str |
         t0 = time.perf_counter()
         try:
             baton.wait(i)
-            results[name] = simulate(loop)
+            results[name] = run_virtual(loop)
         except _Stopped:
             stopped.add(name)
             results[name] = loop.result(time.perf_counter() - t0)

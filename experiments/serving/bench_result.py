@@ -10,7 +10,7 @@
 - ``write_measured_run``: ``core.output.write_run`` for runs without step records: no steps.csv at all (a black
   box has no steps), files moved into place by rename, metrics.json last.
 
-vLLM's definitions, kept here for its field names (they differ from metrics.json's, DESIGN section 6):
+vLLM's definitions, kept here for its field names (they differ from metrics.json's, docs/outputs.md):
 TTFT = first token chunk - request start; E2EL ("latency") = last token chunk - start; TPOT = (E2EL - TTFT) /
 (output_len - 1) over successful requests with more than one output token; ITL = the gaps between consecutive
 token *chunks* (not divided by the tokens a chunk carries); statistics are numpy's mean / median / std

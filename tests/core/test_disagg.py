@@ -20,7 +20,7 @@ from policies.placement.least_loaded import LeastLoadedPlacement
 from policies.placement.random import RandomPlacement
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from sim.cost.linear import LinearCostModel
 from sim.executor import CostModelExecutor
 from sim.transfer import LinkTransport
@@ -46,7 +46,7 @@ def pd_loop(requests, num_prefill=1, num_decode=1, num_blocks=64, decode_blocks=
 def test_request_flow_and_times_follow_the_link_arithmetic():
     req = Request("a", 0.0, 10, 4, prompt_token_ids=tuple(range(10)))
     loop, reps = pd_loop([req])
-    (state,) = simulate(loop).states
+    (state,) = run_virtual(loop).states
     (t,) = loop.transfers
     transfer = 10 * BYTES_PER_TOKEN / 1e6 + 0.002  # the prompt's KV over the link
     assert (t.prefill, t.decode, t.num_tokens) == (0, 1, 10)
@@ -67,7 +67,7 @@ def test_request_flow_and_times_follow_the_link_arithmetic():
 
 def test_single_token_requests_finish_on_the_prefill_replica_without_a_transfer():
     loop, reps = pd_loop([Request("a", 0.0, 6, 1)])
-    (state,) = simulate(loop).states
+    (state,) = run_virtual(loop).states
     assert state.status is Status.FINISHED and state.replica == 0 and not loop.transfers
     assert state.first_token_s == pytest.approx(STEP)
 
@@ -76,7 +76,7 @@ def test_a_transfer_waits_for_decode_kv_and_the_wait_is_recorded():
     # decode pool: 4 blocks of 4 tokens; each request needs 3 blocks (10 prompt tokens) and grows to 4 (13 tokens)
     reqs = [Request(r, 0.0, 10, 4) for r in "ab"]
     loop, reps = pd_loop(reqs, decode_blocks=4)
-    states = {s.id: s for s in simulate(loop).states}
+    states = {s.id: s for s in run_virtual(loop).states}
     a, b = loop.transfers
     assert a.kv_wait_s == 0 and b.kv_wait_s > 0
     assert b.start_s == pytest.approx(states["a"].finish_s)  # b's KV fits once a has ended and freed its blocks
@@ -90,7 +90,7 @@ def test_a_transfer_waits_for_decode_kv_and_the_wait_is_recorded():
 def test_decode_seats_bound_admission():
     reqs = [Request(f"r{i}", 0.0, 5, 6) for i in range(4)]
     loop, reps = pd_loop(reqs, max_num_seqs=2)
-    states = simulate(loop).states
+    states = run_virtual(loop).states
     assert all(s.status is Status.FINISHED for s in states)
     assert sum(t.kv_wait_s > 0 for t in loop.transfers) >= 1  # a seat was waited for
 
@@ -100,7 +100,7 @@ def test_a_prefill_replica_waits_for_its_sending_kv_instead_of_rejecting():
     # 3 blocks until its transfer ends, so the third request finds the prefill pool full while nothing runs there
     reqs = [Request(f"r{i}", 0.0, 10, 3) for i in range(4)]
     loop, reps = pd_loop(reqs, num_blocks=6, decode_blocks=4)
-    states = simulate(loop).states
+    states = run_virtual(loop).states
     assert [s.status for s in states] == [Status.FINISHED] * 4
     for r in reps:
         r.kv.check_invariants()
@@ -109,7 +109,7 @@ def test_a_prefill_replica_waits_for_its_sending_kv_instead_of_rejecting():
 def test_link_is_a_fifo_queue_per_prefill_replica():
     reqs = [Request(f"r{i}", 0.0, 40, 50) for i in range(3)]  # all prefilled in one step, long decodes
     loop, _ = pd_loop(reqs, num_decode=3, max_num_batched_tokens=2048)
-    simulate(loop)
+    run_virtual(loop)
     ts = loop.transfers
     assert [t.ready_s for t in ts] == pytest.approx([STEP] * 3)
     for prev, t in zip(ts, ts[1:], strict=False):  # one at a time, in prefill-completion order
@@ -120,7 +120,7 @@ def test_link_is_a_fifo_queue_per_prefill_replica():
 def test_two_prefill_links_transfer_in_parallel():
     reqs = [Request(f"r{i}", 0.0, 40, 3) for i in range(2)]
     loop, _ = pd_loop(reqs, num_prefill=2, num_decode=2)
-    simulate(loop)
+    run_virtual(loop)
     a, b = loop.transfers
     assert a.prefill != b.prefill and a.start_s == b.start_s and a.decode != b.decode
 
@@ -133,7 +133,7 @@ def test_fast_forward_gives_the_per_step_run():
         loop, _ = pd_loop(reqs, num_decode=2, num_blocks=40,
                           executors=[CostModelExecutor(cost) for _ in range(3)])
         loop.fast_forward = fast
-        result = simulate(loop)
+        result = run_virtual(loop)
         runs.append(([(s.id, list(s.token_times), s.replica) for s in result.states], list(result.steps),
                      [(t.start_s, t.end_s, t.decode) for t in loop.transfers], loop.fast_forwarded_steps))
     assert runs[0][:3] == runs[1][:3]
@@ -174,7 +174,7 @@ def test_placements():
 def test_metrics_section():
     reqs = [Request(r, 0.0, 10, 4) for r in "ab"]
     loop, _ = pd_loop(reqs, decode_blocks=4)
-    simulate(loop)
+    run_virtual(loop)
     m = loop.metrics(kv_bytes_per_token=BYTES_PER_TOKEN)
     assert m["num_transfers"] == 2 and m["transfer_tokens"] == 20 and m["transfer_bytes"] == 20 * BYTES_PER_TOKEN
     assert m["transfer_s"]["p50"] == pytest.approx(0.012)
@@ -186,6 +186,6 @@ def test_metrics_section():
 def test_a_request_no_decode_pool_can_hold_is_rejected_with_a_reason():
     reqs = [Request("big", 0.0, 20, 10), Request("small", 0.0, 6, 3)]  # 29 tokens need 8 blocks; decode has 6
     loop, reps = pd_loop(reqs, decode_blocks=6)
-    states = {s.id: s for s in simulate(loop).states}
+    states = {s.id: s for s in run_virtual(loop).states}
     assert states["big"].status is Status.REJECTED and "decode pool" in states["big"].reason
     assert states["small"].status is Status.FINISHED

@@ -25,7 +25,7 @@ from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from sim.executor import CostModelExecutor
 from tests.helpers import ListWorkload
 
@@ -74,7 +74,7 @@ def run(requests, scheduler, policy, num_blocks, host_blocks, block_size=16, spi
     rep = Replica(0, scheduler(), kv, SchedulerLimits(**limits), preemption=policy)
     ex = ContentExecutor(kv)
     loop = ServingLoop([rep], [ex], RoundRobinRouter(), ListWorkload(requests))
-    return simulate(loop), rep, ex
+    return run_virtual(loop), rep, ex
 
 
 def state_of(req: Request, block_size: int = 4) -> RequestState:

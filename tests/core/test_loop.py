@@ -13,7 +13,7 @@ from core.request import Request, Status
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from tests.helpers import FormulaExecutor, ListWorkload
 
 STEP_S = 0.02
@@ -31,7 +31,7 @@ def burst():
 
 
 def test_real_time_clock_runs_the_same_steps_as_the_simulated_one():
-    sim = simulate(make_loop(burst()))
+    sim = run_virtual(make_loop(burst()))
     t0 = time.perf_counter()
     real = run_in_real_time(make_loop(burst()))
     wall = time.perf_counter() - t0
@@ -92,7 +92,7 @@ def test_frontend_delay_adds_to_ttft_and_nothing_else():
         reps = [Replica(0, SarathiScheduler(), KVCacheManager(64, 16, LRUEviction()), SchedulerLimits(64, 8))]
         loop = ServingLoop(reps, [FormulaExecutor(lambda f: STEP_S)], RoundRobinRouter(),
                            ListWorkload([Request("a", 0.5, 20, 3), Request("b", 3.0, 10, 2)]), frontend_delay_s=delay)
-        return {s.id: s for s in simulate(loop).states}
+        return {s.id: s for s in run_virtual(loop).states}
 
     base, late = one(0.0), one(0.25)
     for rid in ("a", "b"):

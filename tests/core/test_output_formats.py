@@ -247,7 +247,7 @@ def test_tokens_none_folds_token_times_and_changes_no_metric(tmp_path, fast_forw
     from hydra import compose, initialize_config_dir
 
     from experiments.build import CONF_DIR, build_loop
-    from sim.clock import simulate
+    from sim.clock import run_virtual
 
     case = ["workload=shared_prefix", "workload.num_requests=60", "workload.warmup_requests=5", "replicas=2",
             "request_timeout_s=0.2", "workload.arrival.rate_rps=40", "kv.num_blocks=64",
@@ -262,7 +262,7 @@ def test_tokens_none_folds_token_times_and_changes_no_metric(tmp_path, fast_forw
     assert all(g["itl_s"]["count"] > 0 for g in m["groups"]["prompt_len"].values())
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*case, "output.tokens=none", "workload.num_requests=30"])
-    result = simulate(build_loop(parsed(cfg)))
+    result = run_virtual(build_loop(parsed(cfg)))
     assert all(s.folded is not None and not s.token_times for s in result.states)
     assert len(result.itl_pool.samples()) > 0
 

@@ -14,7 +14,7 @@ from core.request import Request, RequestState, SamplingParams, Status
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from tests.helpers import ListWorkload
 
 EOS = 2
@@ -48,7 +48,7 @@ def _replica(num_blocks: int = 64, ended: list | None = None, **limits) -> Repli
 def _run(requests: list[Request], scripts: dict[str, list[int]], **limits) -> dict[str, RequestState]:
     rep = _replica(**limits)
     loop = ServingLoop([rep], [ScriptExecutor(scripts)], RoundRobinRouter(), ListWorkload(requests))
-    res = simulate(loop)
+    res = run_virtual(loop)
     rep.kv.check_invariants()
     assert rep.kv.num_used_blocks == 0
     return {s.id: s for s in res.states}
@@ -184,11 +184,11 @@ def test_abort_with_another_terminal_status():
     a = rep.add(Request("a", 0.0, 3, 8), 0.0)
     batch = rep.schedule(0.0)
     rep.apply(batch, [5], 0.01)
-    assert rep.abort("a", 0.01, "stop string", Status.FINISHED) is a
+    assert rep.finish_early("a", 0.01, "stop string") is a
     rep.schedule(0.01)
     assert a.status is Status.FINISHED and a.reason == "stop string" and a.finish_s == 0.01
     with pytest.raises(ValueError, match="terminal"):
-        rep.abort("a", 0.02, "x", Status.WAITING)
+        rep.end_early("a", 0.02, Status.WAITING, "x")
 
 
 def test_aborts_during_a_run_free_every_block_and_counts_add_up():
@@ -212,7 +212,7 @@ def test_aborts_during_a_run_free_every_block_and_counts_add_up():
                 assert rep.abort(s.id, now, "test") is s
 
     loop.on_step.append(on_step)
-    res = simulate(loop)
+    res = run_virtual(loop)
     states = {s.id: s for s in res.states}
     assert set(cancelled_as.values()) == {Status.WAITING, Status.PREEMPTED, Status.RUNNING}
     assert all(s.status.terminal for s in res.states) and sorted(ended) == sorted(states)  # each ends once

@@ -20,7 +20,7 @@ from policies.eviction.lru import LRUEviction
 from policies.placement.least_loaded import LeastLoadedPlacement
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from tests.engine.checkpoints import TINY, tiny_checkpoint
 from tests.helpers import ListWorkload
 
@@ -59,7 +59,7 @@ def serve(setup, pd: tuple[int, int] | None, budget=64, pools=(64,), kv_dtype="a
     else:
         loop = PDServingLoop(reps, exs, RoundRobinRouter(), ListWorkload(reqs), num_prefill=pd[0],
                              placement=LeastLoadedPlacement(), transport=TorchKVTransport([e.runner for e in exs]))
-    result = simulate(loop)
+    result = run_virtual(loop)
     for kv in kvs:
         kv.check_invariants()
         assert kv.num_used_blocks == 0

@@ -454,7 +454,7 @@ def test_warmup_leaves_no_stale_decode_copies(tiny):
     from policies.eviction.lru import LRUEviction
     from policies.routers.round_robin import RoundRobinRouter
     from policies.schedulers.sarathi import SarathiScheduler
-    from sim.clock import simulate
+    from sim.clock import run_virtual
     from tests.helpers import ListWorkload
 
     model = tiny["llama"][1]
@@ -466,5 +466,5 @@ def test_warmup_leaves_no_stale_decode_copies(tiny):
         req = Request("r", 0.0, 33, 6, prompt_token_ids=tuple(range(100, 133)))
         loop = ServingLoop([Replica(0, SarathiScheduler(), kv, SchedulerLimits(64, 4, model.spec.max_model_len))],
                            [ex], RoundRobinRouter(), ListWorkload([req]))
-        outputs.append(simulate(loop).states[0].output_token_ids)
+        outputs.append(run_virtual(loop).states[0].output_token_ids)
     assert outputs[0] == outputs[1]

@@ -22,7 +22,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from tests.engine.checkpoints import TINY, tiny_checkpoint
 from tests.helpers import ListWorkload
 
@@ -56,7 +56,7 @@ def serve(setup, scheduler, budget, num_blocks=64, prefix_caching=True, requests
     kv = KVCacheManager(num_blocks, BLOCK, LRUEviction(), prefix_caching)
     replica = Replica(0, scheduler, kv, SchedulerLimits(budget, 8, spec.max_model_len))
     executor = build_engine_executor(spec, kv_manager=kv, model=model)
-    result = simulate(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(requests or reqs)))
+    result = run_virtual(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(requests or reqs)))
     kv.check_invariants()
     assert kv.num_used_blocks == 0
     return {s.id: s for s in result.states}, result

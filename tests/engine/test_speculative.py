@@ -22,7 +22,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
 from policies.speculation.fixed import FixedDraftLength
-from sim.clock import simulate
+from sim.clock import run_virtual
 from tests.engine.test_serving import BLOCK, WHOLE, assert_matches_hf, setup  # noqa: F401  (module fixture)
 from tests.helpers import ListWorkload
 
@@ -53,7 +53,7 @@ def serve(setup, scheduler, budget, proposer, k=3, num_blocks=64, prefix_caching
                       speculation=FixedDraftLength(k))
     executor = build_engine_executor(spec, kv_manager=kv, model=model)
     executor.proposer = proposer
-    result = simulate(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(reqs)))
+    result = run_virtual(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(reqs)))
     kv.check_invariants()
     assert kv.num_used_blocks == 0
     return {s.id: s for s in result.states}, result
@@ -185,7 +185,7 @@ def serve_draft(setup, budget, num_blocks=64, prefix_caching=True, noise=0.0, dr
                       speculation=FixedDraftLength(k))
     executor = build_engine_executor(spec, kv_manager=kv, model=model)
     executor.proposer = _draft_proposer(setup, executor, draft_blocks, noise)
-    result = simulate(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(reqs)))
+    result = run_virtual(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(reqs)))
     kv.check_invariants()
     executor.proposer.kv.check_invariants()
     assert kv.num_used_blocks == 0 and executor.proposer.kv.num_used_blocks == 0  # every shadow released

@@ -19,7 +19,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from tests.helpers import FormulaExecutor, ListWorkload
 
 # name -> (factory, chunked): a non-chunking scheduler needs a prompt (or a recompute) whole in one step
@@ -66,7 +66,7 @@ def test_invariants_on_random_workloads(scheduler, eviction, spec, num_blocks, b
     limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=4096)
     rep = Replica(0, factory(), KVCacheManager(num_blocks, BLOCK, EVICTIONS[eviction]()), limits)
     workload = CountingWorkload(reqs)
-    res = simulate(ServingLoop([rep], [FormulaExecutor(lambda f: 0.002 + 1e-5 * f.num_batched_tokens)], None,
+    res = run_virtual(ServingLoop([rep], [FormulaExecutor(lambda f: 0.002 + 1e-5 * f.num_batched_tokens)], None,
                                workload))  # one replica: the router is never asked
 
     # budgets held in every step (the replica also raises on a violation)

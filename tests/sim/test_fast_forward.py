@@ -31,7 +31,7 @@ from experiments.run import run
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler
-from sim.clock import simulate
+from sim.clock import run_virtual
 from sim.cost.calibrated import write_calibration
 from sim.cost.linear import LinearCostModel
 from sim.cost.roofline import RooflineCostModel
@@ -170,12 +170,12 @@ def test_fast_forward_happens_on_a_decode_heavy_workload(noisy):
         return CostModelExecutor(LinearCostModel(c0_s=0.01, per_kv_token_read_s=1e-6), noise=noise)
 
     fast = loop_for(decode_heavy(), executor_factory=make)
-    res = simulate(fast)
+    res = run_virtual(fast)
     assert fast.fast_forwarded_steps > 0.9 * len(res.steps)
     slow = loop_for(decode_heavy(), executor_factory=make, fast_forward=False)
-    assert outcome(simulate(slow)) == outcome(res)
+    assert outcome(run_virtual(slow)) == outcome(res)
     assert slow.fast_forwarded_steps == 0
-    plain = simulate(loop_for(decode_heavy()))
+    plain = run_virtual(loop_for(decode_heavy()))
     changed = sum(a.row()[2] != b.row()[2] for a, b in zip(res.steps, plain.steps, strict=False))
     assert (changed > 0.9 * len(res.steps)) if noisy else changed == 0
 
@@ -201,14 +201,14 @@ class CountingSarathi(SarathiScheduler):
 
 def test_a_scheduler_that_does_not_declare_it_is_called_every_step():
     loop = loop_for(decode_heavy(), UndeclaredSarathi)
-    res = simulate(loop)
+    res = run_virtual(loop)
     assert loop.fast_forwarded_steps == 0
-    assert outcome(res) == outcome(simulate(loop_for(decode_heavy())))
+    assert outcome(res) == outcome(run_virtual(loop_for(decode_heavy())))
 
 
 def test_fast_forwarded_steps_skip_the_scheduler():
     loop = loop_for(decode_heavy(), CountingSarathi)
-    res = simulate(loop)
+    res = run_virtual(loop)
     calls = loop.replicas[0].scheduler.calls
     assert calls == len(res.steps) - loop.fast_forwarded_steps + 1  # + the final call on an empty replica
 
@@ -217,7 +217,7 @@ def test_an_executor_that_does_not_predict_keeps_per_step():
     from tests.helpers import FormulaExecutor
 
     loop = loop_for(decode_heavy(), executor_factory=lambda: FormulaExecutor(lambda f: 0.01))
-    simulate(loop)
+    run_virtual(loop)
     assert loop.fast_forwarded_steps == 0
 
 
@@ -225,11 +225,11 @@ def test_step_listeners_and_keep_batches_keep_per_step():
     loop = loop_for(decode_heavy())
     seen = []
     loop.on_step.append(lambda i, batch, record: seen.append(len(batch)))
-    res = simulate(loop)
+    res = run_virtual(loop)
     assert loop.fast_forwarded_steps == 0 and len(seen) == len(res.steps)
     loop = loop_for(decode_heavy())
     loop.keep_batches = True
-    res = simulate(loop)
+    res = run_virtual(loop)
     assert loop.fast_forwarded_steps == 0 and len(res.batches) == len(res.steps)
 
 
@@ -238,8 +238,8 @@ def test_stop_token_of_the_simulator_ends_a_run_exactly():
     reqs = [Request("a", 0.0, 20, 100, stop_token_ids=(0,), min_tokens=30), Request("b", 0.0, 20, 90),
             Request("c", 0.02, 33, 120, stop_token_ids=(0,), min_tokens=55)]
     fast, slow = loop_for(reqs), loop_for(reqs, fast_forward=False)
-    res = simulate(fast)
-    assert outcome(res) == outcome(simulate(slow))
+    res = run_virtual(fast)
+    assert outcome(res) == outcome(run_virtual(slow))
     assert len(res.states[0].output_token_ids) == 31 and fast.fast_forwarded_steps > 0
 
 
@@ -249,8 +249,8 @@ def test_timeouts_preemption_and_lockstep_replicas():
     reqs = [Request(f"r{i}", 0.0, 40, 150) for i in range(8)] + [Request(f"s{i}", 0.5, 30, 60) for i in range(4)]
     for kw in ({"num_blocks": 30}, {"request_timeout_s": 1.2}, {"replicas": 2}, {"replicas": 2, "num_blocks": 40}):
         fast, slow = loop_for(reqs, **kw), loop_for(reqs, fast_forward=False, **kw)
-        res = simulate(fast)
-        assert outcome(res) == outcome(simulate(slow)), kw
+        res = run_virtual(fast)
+        assert outcome(res) == outcome(run_virtual(slow)), kw
         assert fast.fast_forwarded_steps > 0, kw
 
 
@@ -284,13 +284,13 @@ ROOFLINES = list(roofline_models())
 
 
 def test_executor_decode_run_matches_execute():
-    """CostModelExecutor.decode_run prices the batches execute() would see, for a vectorised and a scalar model."""
+    """CostModelExecutor.forecast_decodes prices the batches execute() would see, vectorised or per step."""
     from sim.fit import OpGroupCost
 
     for cm in (ROOFLINES[0], OpGroupCost(ROOFLINES[0], ("linear", "attention_decode"))):
         ex = CostModelExecutor(cm)
         first = StepFeatures(3, 3, 0, 0, 3, 0, 900, 0, 400)
-        run_ = ex.decode_run(first, 40)
+        run_ = ex.forecast_decodes(first, 40)
         assert run_.token == ex.token_id
         assert list(run_.durations) == [cm.step_time(decode_features(first, m)) for m in range(40)]
 
@@ -301,7 +301,7 @@ def test_executor_decode_run_matches_execute():
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_heap_clock_matches_simpy(replicas):
     reqs = [Request(f"r{i}", round(0.013 * (i // 2), 3), 10 + i % 7 * 13, 5 + i % 5 * 17) for i in range(40)]
-    results = [outcome(simulate(loop_for(reqs, replicas=replicas, num_blocks=60, fast_forward=ff), clock=clk))
+    results = [outcome(run_virtual(loop_for(reqs, replicas=replicas, num_blocks=60, fast_forward=ff), clock=clk))
                for ff, clk in ((False, "simpy"), (False, "heap"), (True, "simpy"), (True, "heap"))]
     assert all(r == results[0] for r in results)
 
@@ -317,7 +317,7 @@ def test_memory_per_output_token_is_its_time_alone():
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        res = simulate(loop_for(decode_heavy(n=16, out=out), num_blocks=4000))
+        res = run_virtual(loop_for(decode_heavy(n=16, out=out), num_blocks=4000))
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.stop()

@@ -146,7 +146,7 @@ def decode_batch(f: StepFeatures) -> Batch:
 
 def test_executor_counts_the_steps_a_decode_run_took():
     """Step by step, every step takes the next factor; a decode run prices ahead, and the steps after it continue
-    from the ones it started (decode_run_done), not from the ones it priced."""
+    from the ones it started (decodes_taken), not from the ones it priced."""
     z = ar1(0.5, 200)
     rec = {"z": z.tolist(), "sigma": {"decode": 0.3}, "sigma_all": 0.3, "block_steps": 4}
     first = decode_features(DECODE, 0)
@@ -154,11 +154,11 @@ def test_executor_counts_the_steps_a_decode_run_took():
     expected = [per_step.execute(decode_batch(decode_features(first, m))).duration_s for m in range(30)]
     ex = CostModelExecutor(MODEL, noise=StepNoise.from_mapping(rec, seed=3))
     got = [ex.execute(decode_batch(first)).duration_s]
-    run1 = ex.decode_run(decode_features(first, 1), 8)
-    run1_more = ex.decode_run(decode_features(first, 9), 8)  # the run priced further ...
+    run1 = ex.forecast_decodes(decode_features(first, 1), 8)
+    run1_more = ex.forecast_decodes(decode_features(first, 9), 8)  # the run priced further ...
     got += [*run1.durations, *run1_more.durations][:12]  # ... and started 12 of its 16 steps
-    ex.decode_run_done(12)
-    ex.decode_run(decode_features(first, 13), 5)  # priced, never begun: the next execute takes none of it
+    ex.decodes_taken(12)
+    ex.forecast_decodes(decode_features(first, 13), 5)  # priced, never begun: the next execute takes none of it
     got += [ex.execute(decode_batch(decode_features(first, m))).duration_s for m in range(13, 30)]
     assert got == expected
     plain = CostModelExecutor(MODEL)

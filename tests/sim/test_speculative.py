@@ -27,7 +27,7 @@ from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
 from policies.speculation.adaptive import AdaptiveDraftLength
 from policies.speculation.fixed import FixedDraftLength
-from sim.clock import simulate
+from sim.clock import run_virtual
 from sim.executor import CostModelExecutor
 from sim.speculative import SpeculativeModel, expected_tokens
 from tests.helpers import ListWorkload
@@ -114,7 +114,7 @@ def test_speculative_runs_lose_nothing_and_leak_nothing(sched, k, alpha, num_blo
     requests = [Request(f"r{i}", t, p, n, hash_ids=(i % 3,) * 2, tokens_per_hash_id=20)
                 for i, (p, n, t) in enumerate(reqs)]
     ex = CostModelExecutor(TokensCost(), speculation=SpeculativeModel(alpha, seed=seed))
-    result = simulate(ServingLoop([replica], [ex], RoundRobinRouter(), ListWorkload(requests)))
+    result = run_virtual(ServingLoop([replica], [ex], RoundRobinRouter(), ListWorkload(requests)))
     kv.check_invariants()
     assert kv.num_used_blocks == 0
     assert len(result.states) == len(requests)

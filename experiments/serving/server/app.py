@@ -169,7 +169,7 @@ class OpenAIServer:
             text = out.add(event.token_id)
             yield text, event.token_id
             if out.stopped:  # a stop string: end the request in the engine as finished
-                self.bridge.abort(stream.request.id, "stop string", Status.FINISHED)
+                self.bridge.finish_early(stream.request.id, "stop string")
                 out.end = EndEvent(Status.FINISHED, "stop string")
                 return
 

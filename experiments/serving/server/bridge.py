@@ -106,9 +106,13 @@ class LoopThread:
             self.pending -= 1
         return stream
 
-    def abort(self, request_id: str, reason: str, status: Status = Status.CANCELLED) -> Future:
-        """End a request early (client gone, stop string seen); its KV is freed before the next step."""
-        return self.clock.call(lambda: self._abort(request_id, reason, status))
+    def abort(self, request_id: str, reason: str) -> Future:
+        """Cancel a request (the client is gone); its KV is freed before the next step (``Replica.end_early``)."""
+        return self.clock.call(lambda: self._end_early(request_id, Status.CANCELLED, reason))
+
+    def finish_early(self, request_id: str, reason: str) -> Future:
+        """End a request FINISHED before its replica saw it end (the server matched its stop string)."""
+        return self.clock.call(lambda: self._end_early(request_id, Status.FINISHED, reason))
 
     def now(self) -> float:
         return self.clock.now
@@ -124,9 +128,9 @@ class LoopThread:
         self._refresh()
         return state
 
-    def _abort(self, request_id: str, reason: str, status: Status) -> bool:
+    def _end_early(self, request_id: str, status: Status, reason: str) -> bool:
         for r in self.loop.replicas:
-            if r.abort(request_id, self.clock.now, reason, status) is not None:
+            if r.end_early(request_id, self.clock.now, status, reason) is not None:
                 self._refresh()
                 return True
         return False

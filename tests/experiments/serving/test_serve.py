@@ -26,7 +26,7 @@ from experiments.serving.server.process import ServerProcess  # noqa: E402
 from policies.eviction.lru import LRUEviction  # noqa: E402
 from policies.routers.round_robin import RoundRobinRouter  # noqa: E402
 from policies.schedulers.sarathi import SarathiScheduler  # noqa: E402
-from sim.clock import simulate  # noqa: E402
+from sim.clock import run_virtual  # noqa: E402
 from tests.engine.checkpoints import TINY, save_word_tokenizer, tiny_checkpoint  # noqa: E402
 from tests.helpers import ListWorkload  # noqa: E402
 
@@ -61,7 +61,7 @@ def offline(ckpt: Path, prompt_ids: list[list[int]], new: int) -> list[list[int]
     replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(2048, 64, spec.max_model_len))
     executor = build_engine_executor(spec, kv_manager=kv, model=load_model(ckpt, spec))
     reqs = [Request(f"r{i}", 0.0, len(p), new, prompt_token_ids=tuple(p)) for i, p in enumerate(prompt_ids)]
-    states = {s.id: s for s in simulate(ServingLoop([replica], [executor], RoundRobinRouter(),
+    states = {s.id: s for s in run_virtual(ServingLoop([replica], [executor], RoundRobinRouter(),
                                                      ListWorkload(reqs))).states}
     return [states[f"r{i}"].output_token_ids for i in range(len(prompt_ids))]
 
