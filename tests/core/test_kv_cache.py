@@ -1,4 +1,5 @@
-"""KV cache manager: prefix-cache semantics (docs/architecture.md, "Prefix caching") and accounting invariants under random load."""
+"""KV cache manager: prefix-cache semantics (docs/architecture.md, "Prefix caching") and accounting invariants
+under random load."""
 
 from hypothesis import given
 from hypothesis import strategies as st
