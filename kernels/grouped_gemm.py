@@ -10,7 +10,12 @@ epilogue, which saves writing and re-reading the [T, 2F] intermediate.
 
 Routing: :func:`route_tokens` turns the router's top-k expert ids into that order (which token each sorted row
 is, the offsets, and the inverse that finds each (token, choice) pair's row); :meth:`MoERouting.permute` gathers
-the sorted rows and :meth:`MoERouting.combine` sums each token's top-k outputs with the router weights.
+the sorted rows and :meth:`MoERouting.combine` sums each token's top-k outputs with the router weights. An expert
+MLP (``ks`` a KernelSet, x [num_tokens, hidden], w13 [E, 2F, hidden], w2 [E, hidden, F]):
+
+    route = route_tokens(topk_ids, E)
+    h = ks.grouped_gemm(route.permute(x), route.expert_offsets, w13, True)  # [num_tokens * top_k, F]
+    out = route.combine(ks.grouped_gemm(h, route.expert_offsets, w2), topk_weights)  # [num_tokens, hidden]
 """
 
 from __future__ import annotations
@@ -170,8 +175,9 @@ if triton is not None:
 def grouped_gemm_triton(x: torch.Tensor, expert_offsets: torch.Tensor, w: torch.Tensor, silu_and_mul: bool = False,
                         *, block_m: int | None = None) -> torch.Tensor:
     """Triton version of :func:`grouped_gemm_torch`: one launch, fp32 accumulation, any of fp16 / bf16 / fp32
-    (fp32 multiplies in full precision, not tf32). Nothing waits for the device, so a CUDA graph can hold it (the
-    autotuner's first call per shape must run before capture).
+    (fp32 multiplies in full precision, not tf32). Nothing waits for the device, so a CUDA graph can hold it; the
+    autotuner benchmarks on the first call per (N, K, E, BLOCK_M, dtype), which must come before capture. x and w
+    must be on one device with the offsets; w not contiguous along K is copied on every call.
 
     Programs map to (expert, row tile) inside the kernel, from the offsets, rather than through a tile table: a
     table needs the tile count on the host (a device-to-host wait) or a worst-case-sized table built by a few more
@@ -180,6 +186,9 @@ def grouped_gemm_triton(x: torch.Tensor, expert_offsets: torch.Tensor, w: torch.
     T // BLOCK_M + min(E, T); the spare programs return at once. ``block_m`` forces the rows per tile (a power of
     two >= 16; tuning data), else the average rows per expert decides it (see MAX_BLOCK_M)."""
     n_out = _check_grouped(x, expert_offsets, w, silu_and_mul)
+    if not x.device == w.device == expert_offsets.device:
+        raise ValueError(f"grouped_gemm_triton: x, expert_offsets and w must share a device, got {x.device}, "
+                         f"{expert_offsets.device} and {w.device}")
     (T, K), E = x.shape, w.shape[0]
     y = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     if T == 0 or n_out == 0:
@@ -191,7 +200,7 @@ def grouped_gemm_triton(x: torch.Tensor, expert_offsets: torch.Tensor, w: torch.
     row_tiles = T // block_m + min(E, T)
     grid = lambda meta: (row_tiles * triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
     fixed = {} if _AUTOTUNE else {"BLOCK_N": GG_CONFIGS[0][0], "BLOCK_K": GG_CONFIGS[0][1]}
-    _gg_launch[grid](x, w, expert_offsets, y, E, n_out, K, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
-                     SILU=silu_and_mul, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    _gg_launch[grid](x, w, expert_offsets.contiguous(), y, E, n_out, K, x.stride(0), w.stride(0), w.stride(1),
+                     y.stride(0), SILU=silu_and_mul, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                      BLOCK_E=triton.next_power_of_2(E), BLOCK_M=block_m, **fixed)
     return y
