@@ -51,8 +51,7 @@ class MoERouting:
     def combine(self, y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Sorted expert outputs y [num_tokens * top_k, N] -> [num_tokens, N]: out[t] = sum over j of
         topk_weights[t, j] * y[inverse[t, j]]. A gather and one [1, top_k] x [top_k, N] product per token, which
-        is deterministic, unlike a scatter-add (atomics on GPU). The weights are cast to y's dtype; 16-bit
-        products accumulate in fp32 on GPU."""
+        is deterministic, unlike a scatter-add (atomics on GPU). The weights are cast to y's dtype."""
         num_tokens, top_k = self.inverse.shape
         rows = y.index_select(0, self.inverse.flatten()).view(num_tokens, top_k, y.shape[1])
         return torch.bmm(topk_weights.to(y.dtype).unsqueeze(1), rows).squeeze(1)
