@@ -1,6 +1,6 @@
 """Backend registry: one KernelSet of same-signature ops per backend: "torch" (the references), "native" (RMSNorm,
-RoPE, SiLU-and-mul, the KV store and decode attention in C on fp32 CPU tensors, kernels.cpu_native, the rest the
-references: the CPU engine's default) or "triton" (GPU kernels)."""
+RoPE, SiLU-and-mul, the KV store and decode attention in C on fp32 CPU tensors, kernels.cpu_native, the rest (W4A16,
+the MoE grouped GEMM) the references: the CPU engine's default) or "triton" (GPU kernels)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class KernelSet:
     store_kv: Callable
     attention: Callable
     w4a16_linear: Callable
+    grouped_gemm: Callable  # MoE experts: (x [T, K] sorted by expert, int32 offsets [E + 1], w [E, N, K], silu_and_mul)
 
 
 def get_kernels(backend: str) -> KernelSet:
@@ -28,6 +29,7 @@ def get_kernels(backend: str) -> KernelSet:
     if backend in ("torch", "native"):
         from kernels.activation import silu_and_mul_torch
         from kernels.attention import paged_attention_torch
+        from kernels.grouped_gemm import grouped_gemm_torch
         from kernels.kv_store import store_kv_torch
         from kernels.norm import rms_norm_torch
         from kernels.rope import rope_torch
@@ -37,9 +39,9 @@ def get_kernels(backend: str) -> KernelSet:
             from kernels import cpu_native as c
 
             return KernelSet(c.rms_norm_native, c.rope_native, c.silu_and_mul_native, c.store_kv_native,
-                             c.paged_attention_native, w4a16_linear_torch)
+                             c.paged_attention_native, w4a16_linear_torch, grouped_gemm_torch)
         return KernelSet(rms_norm_torch, rope_torch, silu_and_mul_torch, store_kv_torch, paged_attention_torch,
-                         w4a16_linear_torch)
+                         w4a16_linear_torch, grouped_gemm_torch)
     if backend == "triton":
         try:
             import triton  # noqa: F401
@@ -47,11 +49,12 @@ def get_kernels(backend: str) -> KernelSet:
             raise ValueError("kernel backend 'triton' needs the triton package (pip install triton)") from e
         from kernels.activation import silu_and_mul_triton
         from kernels.attention import paged_attention_triton
+        from kernels.grouped_gemm import grouped_gemm_triton
         from kernels.kv_store import store_kv_triton
         from kernels.norm import rms_norm_triton
         from kernels.rope import rope_triton
         from kernels.w4a16 import w4a16_linear_triton
 
         return KernelSet(rms_norm_triton, rope_triton, silu_and_mul_triton, store_kv_triton, paged_attention_triton,
-                         w4a16_linear_triton)
+                         w4a16_linear_triton, grouped_gemm_triton)
     raise ValueError(f"unknown kernel backend {backend!r}; allowed: {', '.join(BACKENDS)}")

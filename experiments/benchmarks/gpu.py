@@ -4,15 +4,19 @@ in the run's dtype (bf16 by default):
 - kernels: each Triton op vs its torch reference; attention vs torch SDPA on dense K/V (the speed to beat) with
   contiguous and fragmented block tables, int8 KV vs 16-bit KV; W4A16 vs bf16 ``F.linear`` (cuBLAS) per projection
   shape, measured speed-up next to the bytes-predicted one;
+- MoE grouped GEMM (fixed expert shapes, whatever --model: Qwen3-30B-A3B, Mixtral-8x7B): one grouped launch vs a
+  loop of per-expert cuBLAS matmuls, TFLOP/s and the roofline fraction at decode and prefill token counts; the
+  fused SiLU-and-mul gate_up vs gate_up then silu_and_mul; the routing helpers' own cost;
 - steps: decode step time vs the memory-bandwidth lower bound (weights read per step: the linear layers and the LM
   head, not the embedding table, of which a step reads a few rows; plus the KV read), prefill throughput vs peak
   FLOPs; W4A16 and int8-KV engines' decode steps, measured vs predicted speed-up over the 16-bit engine.
 
-Writes bench_gpu.json, kernels.csv and steps.csv (StepRecord columns: `experiments.calibrate` can fit them) into
---out.
+Writes bench_gpu.json, kernels.csv, grouped_gemm.csv and steps.csv (StepRecord columns: `experiments.calibrate` can
+fit them) into --out.
 
     python -m experiments.bench_gpu --model llama3_8b --hardware h100 --out outputs/bench_gpu
     python -m experiments.bench_gpu --device cpu --kernels torch --model tiny --hardware cpu --quick   # smoke test
+    python -m experiments.bench_gpu --hardware h200 --moe-only   # the MoE grouped-GEMM rows alone
 
 Goals (issue): decode >= 70% of the bandwidth roofline, prefill >= 50% of peak bf16 FLOPs for an 8B-shaped model.
 """
@@ -40,12 +44,17 @@ from core.shapes import ShapedBatch
 from core.specs import HardwareSpec, ModelSpec
 from engine.executor import build_engine_executor
 from experiments.build import CONF_DIR
-from kernels.ops import get_kernels
+from kernels.grouped_gemm import route_tokens
+from kernels.ops import KernelSet, get_kernels
 from kernels.rope import rope_cos_sin
 from kernels.w4a16 import GEMV_MAX_M, quantize_w4
 from policies.eviction.lru import LRUEviction
 
 BLOCK = 16
+# MoE expert shapes for the grouped GEMM rows: (name, experts, top_k, hidden, expert intermediate, token counts)
+MOE_SHAPES = (("qwen3_30b_a3b", 128, 8, 2048, 768, (1, 16, 128, 4096)),
+              ("mixtral_8x7b", 8, 2, 4096, 14336, (16, 4096)))
+MOE_QUICK = (("tiny_moe", 8, 2, 64, 32, (4, 64)),)
 
 
 def timeit(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
@@ -237,6 +246,76 @@ def _pair(name, shape, op, ref, tri, device, reps) -> dict:
     return row
 
 
+def grouped_gemm_rows(device: torch.device, dtype: torch.dtype, reps: int, quick: bool,
+                      hw: HardwareSpec | None = None) -> list[dict]:
+    """The MoE grouped GEMM (the Triton kernel; the torch reference where there is none) vs a loop of per-expert
+    cuBLAS matmuls, per expert projection, at each MOE_SHAPES token count (MOE_QUICK with ``quick``), on uniformly
+    routed tokens (top_k distinct experts each)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # a CPU smoke run of the Triton rows
+    tri = get_kernels("triton") if device.type == "cuda" or interpreted else None
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, E, top_k, d, f, token_counts in MOE_QUICK if quick else MOE_SHAPES:
+        weights = {"gate_up": torch.randn(E, 2 * f, d, device=device, generator=g).to(dtype) * d**-0.5,
+                   "down": torch.randn(E, d, f, device=device, generator=g).to(dtype) * f**-0.5}
+        for i, T in enumerate(token_counts):  # the last is the prefill count
+            rows += _moe_rows(f"{name} T={T}", T, top_k, weights, tri, device, reps, hw, g,
+                              sweep=i == len(token_counts) - 1)
+    return rows
+
+
+def _moe_rows(shape: str, T: int, top_k: int, weights: dict[str, torch.Tensor], tri: KernelSet | None,
+              device: torch.device, reps: int, hw: HardwareSpec | None, g: torch.Generator,
+              sweep: bool) -> list[dict]:
+    """One token count of one MoE shape. The baseline is the torch reference handed host offsets: the loop's best
+    case (a real layer must also wait for them). TFLOP/s for both, and the fraction of whichever roofline binds: a
+    decode batch reads every hit expert's weights (bandwidth), a prefill one is compute-bound. Also the fused
+    SiLU-and-mul gate_up vs gate_up then silu_and_mul, BLOCK_M = 128 vs the default where ``sweep`` (tuning data),
+    and route_tokens + permute + combine."""
+    ks, torch_ref = tri or get_kernels("torch"), get_kernels("torch").grouped_gemm
+    timed = lambda fn: kernel_time(fn, device, reps)  # noqa: E731
+    E, d = weights["down"].shape[:2]
+    dtype = weights["down"].dtype
+    topk_w, ids = torch.randn(T, E, device=device, generator=g).topk(top_k, dim=-1)
+    route = route_tokens(ids, E)
+    offsets, host = route.expert_offsets, route.expert_offsets.cpu()
+    hit, M = int((host.diff() > 0).sum()), T * top_k
+    rows = []
+    for proj, w in weights.items():
+        N, K = w.shape[1:]
+        x = torch.randn(M, K, device=device, generator=g).to(dtype)
+        loop = timed(lambda x=x, w=w: torch_ref(x, host, w))
+        t = timed(lambda x=x, w=w: ks.grouped_gemm(x, offsets, w))
+        flops, nbytes = 2 * M * N * K, (hit * N * K + M * (K + N)) * dtype.itemsize
+        row = {"op": f"grouped_gemm_{proj}", "shape": f"{shape} rows={M} E={E} N={N} K={K}",
+               "baseline": "cublas_loop", "baseline_ms": 1e3 * loop, "ms": 1e3 * t, "speedup": loop / t,
+               "tflops": flops / t / 1e12, "baseline_tflops": flops / loop / 1e12}
+        if hw is not None:
+            bound = "bandwidth_roofline" if nbytes / hw.mem_bw > flops / hw.peak_flops else "peak_flops"
+            row[f"fraction_of_{bound}"] = max(nbytes / hw.mem_bw, flops / hw.peak_flops) / t
+        rows.append(row)
+        if sweep and tri is not None:
+            t = timed(lambda x=x, w=w: tri.grouped_gemm(x, offsets, w, block_m=128))
+            rows.append({"op": f"grouped_gemm_{proj}_bm128", "shape": row["shape"], "baseline": "cublas_loop",
+                         "baseline_ms": 1e3 * loop, "ms": 1e3 * t, "speedup": loop / t, "tflops": flops / t / 1e12})
+        if proj == "gate_up":
+            pair = timed(lambda x=x, w=w: ks.silu_and_mul(ks.grouped_gemm(x, offsets, w)))
+            t = timed(lambda x=x, w=w: ks.grouped_gemm(x, offsets, w, True))
+            rows.append({"op": "grouped_gemm_gate_up_silu", "shape": row["shape"], "baseline": "gate_up+silu_and_mul",
+                         "baseline_ms": 1e3 * pair, "ms": 1e3 * t, "speedup": pair / t, "tflops": flops / t / 1e12})
+    h, y = (torch.randn(n, d, device=device, generator=g).to(dtype) for n in (T, M))
+    t = timed(lambda: _route_permute_combine(h, y, ids, topk_w, E))
+    rows.append({"op": "moe_route_permute_combine", "shape": f"{shape} rows={M} E={E} d={d}", "ms": 1e3 * t})
+    return rows
+
+
+def _route_permute_combine(h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, topk_w: torch.Tensor,
+                           num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE layer's work around its grouped GEMMs: sort the choices, gather the rows, sum each token's outputs."""
+    route = route_tokens(ids, num_experts)
+    return route.permute(h), route.combine(y, topk_w)
+
+
 def step_rows(spec: ModelSpec, hw: HardwareSpec, device: str, kernels: str, dtype: torch.dtype, reps: int,
               quick: bool, quant: str | None = None, kv_dtype: str = "auto",
               only: tuple[int, int] | None = None) -> tuple[list[dict], list[StepRecord]]:
@@ -318,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="outputs/bench_gpu")
     p.add_argument("--no-quant", dest="quant", action="store_false", help="skip the W4A16 / int8-KV engines")
     p.add_argument("--kernels-only", action="store_true", help="only the kernel rows (no engine steps)")
+    p.add_argument("--moe-only", action="store_true", help="only the MoE grouped-GEMM rows")
     p.set_defaults(quant_method="w4a16")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -335,10 +415,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
         return rows
 
-    kernels = show(kernel_rows(spec, device, dtype, args.reps, args.quick, hw))
-    if args.kernels_only:
-        (out / "bench_gpu.json").write_text(json.dumps({"kernels": kernels}, indent=1))
-        return {"kernels": kernels}
+    kernels = [] if args.moe_only else show(kernel_rows(spec, device, dtype, args.reps, args.quick, hw))
+    moe = show(grouped_gemm_rows(device, dtype, args.reps, args.quick, hw))
+    _write_rows(out / "grouped_gemm.csv", moe)
+    if args.kernels_only or args.moe_only:
+        (out / "bench_gpu.json").write_text(json.dumps({"kernels": kernels, "grouped_gemm": moe}, indent=1))
+        return {"kernels": kernels, "grouped_gemm": moe}
     steps, records = step_rows(spec, hw, args.device, args.kernels, dtype, args.reps, args.quick)
     show(steps)
     with open(out / "steps.csv", "w", newline="") as f:
@@ -348,14 +430,19 @@ def main(argv: list[str] | None = None) -> dict:
     quant = show(quant_rows(spec, hw, args, dtype, steps)) if args.quant else []
     result = {"model": spec.name, "hardware": hw.name, "device": torch.cuda.get_device_name() if device.type == "cuda"
               else "cpu", "kernels_backend": args.kernels, "dtype": args.dtype, "kernels": kernels, "steps": steps,
-              "quant": quant}
+              "quant": quant, "grouped_gemm": moe}
     (out / "bench_gpu.json").write_text(json.dumps(result, indent=1))
-    with open(out / "kernels.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=sorted({k for r in kernels for k in r}, key=lambda k: (k != "op", k)))
-        w.writeheader()
-        w.writerows(kernels)
+    _write_rows(out / "kernels.csv", kernels)
     print(f"wrote {out}")
     return result
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    """A section's rows as CSV, "op" first, the other columns sorted (rows may lack some)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}, key=lambda k: (k != "op", k)))
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ under 10 minutes on one H100/H200, that writes one report (DIR/report.md and DIR
 
 1. the GPU tests (``pytest -m gpu`` over tests/kernels and tests/engine): pass / fail per test;
 2. experiments.benchmarks.gpu on an 8B-shaped model in bf16: kernel times vs their baselines (torch SDPA, bf16
-   cuBLAS), decode steps as % of the bandwidth roofline, prefill MFU, W4A16 and int8-KV speed-ups measured vs
+   cuBLAS), the MoE grouped GEMM vs a loop of per-expert cuBLAS matmuls (Qwen3-30B-A3B and Mixtral-8x7B experts,
+   TFLOP/s), decode steps as % of the bandwidth roofline, prefill MFU, W4A16 and int8-KV speed-ups measured vs
    predicted;
 3. a calibration profile: the simulator's linear step-cost model fitted on the benchmark's steps (steps.csv).
 
@@ -133,6 +134,10 @@ def markdown(report: dict) -> str:
             lines += _table(res["kernels"], ["op", "shape", "baseline", "baseline_ms", "ms", "speedup",
                                              "predicted_speedup", "fraction_of_bandwidth_roofline",
                                              "speedup_vs_16bit", "predicted_speedup_vs_16bit", "torch_ref_ms"])
+            lines += ["", "### MoE grouped GEMM (ms; speedup = baseline / ours; roofline: whichever binds)", ""]
+            lines += _table(res.get("grouped_gemm", []), ["op", "shape", "baseline", "baseline_ms", "ms", "speedup",
+                                                          "tflops", "baseline_tflops", "fraction_of_bandwidth_roofline",
+                                                          "fraction_of_peak_flops"])
             lines += ["", "### steps (decode: % of the bandwidth roofline; prefill: MFU)", ""]
             lines += _table(res["steps"], ["kind", "batch", "context", "tokens", "step_ms", "bandwidth_bound_ms",
                                            "fraction_of_bandwidth_roofline", "eager_step_ms", "graph_speedup",

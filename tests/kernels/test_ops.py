@@ -10,6 +10,7 @@ import pytest
 import kernels.activation as activation
 import kernels.attention as attention
 import kernels.cpu_native as cpu_native
+import kernels.grouped_gemm as grouped_gemm
 import kernels.kv_store as kv_store
 import kernels.norm as norm
 import kernels.rope as rope
@@ -18,13 +19,14 @@ from kernels.ops import KernelSet, get_kernels
 
 EXPECTED = {
     "torch": (norm.rms_norm_torch, rope.rope_torch, activation.silu_and_mul_torch, kv_store.store_kv_torch,
-              attention.paged_attention_torch, w4a16.w4a16_linear_torch),
+              attention.paged_attention_torch, w4a16.w4a16_linear_torch, grouped_gemm.grouped_gemm_torch),
     "native": (cpu_native.rms_norm_native, cpu_native.rope_native, cpu_native.silu_and_mul_native,
-               cpu_native.store_kv_native, cpu_native.paged_attention_native, w4a16.w4a16_linear_torch),
+               cpu_native.store_kv_native, cpu_native.paged_attention_native, w4a16.w4a16_linear_torch,
+               grouped_gemm.grouped_gemm_torch),
     "triton": (norm.rms_norm_triton, rope.rope_triton, activation.silu_and_mul_triton, kv_store.store_kv_triton,
-               attention.paged_attention_triton, w4a16.w4a16_linear_triton),
+               attention.paged_attention_triton, w4a16.w4a16_linear_triton, grouped_gemm.grouped_gemm_triton),
 }
-FIELDS = ("rms_norm", "rope", "silu_and_mul", "store_kv", "attention", "w4a16_linear")
+FIELDS = ("rms_norm", "rope", "silu_and_mul", "store_kv", "attention", "w4a16_linear", "grouped_gemm")
 
 
 @pytest.mark.parametrize("backend", ["torch", "native", "triton"])
