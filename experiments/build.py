@@ -251,9 +251,10 @@ def build_replicas(cfg: DictConfig, spec: ModelSpec, num_blocks: int) -> list[Re
                                                                     whole_float=True)
     method = spec_method(cfg)
     host_blocks = num_host_blocks(cfg, spec)
+    mode = cfg.kv.get("prefix_cache_mode", "prompt")
     return [Replica(i, instantiate_group(sched_node, "scheduler"),
                     KVCacheManager(num_blocks, block_size, instantiate_group(cfg.eviction, "eviction"),
-                                   cfg.kv.prefix_caching, host_tier(cfg, host_blocks, block_size)), limits,
+                                   cfg.kv.prefix_caching, host_tier(cfg, host_blocks, block_size), mode), limits,
                     speculation=instantiate_group(cfg.spec.policy, "speculation") if method else None,
                     preemption=preemption_policy(cfg, spec, host_blocks))
             for i in range(n)]

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from core.batch import StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
-from core.kv_cache import KVCacheManager
+from core.kv_cache import PROMPT, KVCacheManager
 from core.loop import RunResult, ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, RequestState
@@ -40,8 +40,10 @@ class FormulaExecutor(BaseExecutor):
 
 def simulate(requests: Sequence[Request], scheduler_factory, *, step_time=lambda f: 0.01, num_blocks=64,
              block_size=16, replicas=1, router=None, eviction_factory=LRUEviction, prefix_caching=True,
-             keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
-    reps = [Replica(i, scheduler_factory(), KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching),
+             prefix_cache_mode=PROMPT, keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
+    reps = [Replica(i, scheduler_factory(),
+                    KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching,
+                                   prefix_cache_mode=prefix_cache_mode),
                     SchedulerLimits(**limits)) for i in range(replicas)]
     loop = ServingLoop(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
                        ListWorkload(requests), keep_batches=keep_batches)
