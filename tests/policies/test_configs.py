@@ -50,7 +50,8 @@ def test_every_router_config_instantiates(name):
 
 
 def test_policy_zoo_is_complete():
-    assert {"static", "orca", "vllm_prefill_first", "sarathi", "priority", "lpm"} <= set(options("scheduler"))
+    assert {"static", "orca", "vllm_prefill_first", "vllm_v1", "sarathi", "priority",
+            "lpm"} <= set(options("scheduler"))
     assert {"lru", "lfu", "fifo", "cost_aware"} <= set(options("eviction"))
     assert {"round_robin", "random", "least_outstanding", "least_kv", "prefix_aware", "cost_based",
             "power_of_two"} <= set(options("router"))
@@ -72,3 +73,11 @@ def test_user_policy_outside_the_packages_is_selected_by_target(monkeypatch, ove
     s = {x.id: x for x in res.states}
     assert all(x.status is Status.FINISHED for x in res.states)
     assert s["short"].first_scheduled_s < s["long"].first_scheduled_s
+
+
+def test_kv_prefix_cache_mode_reaches_every_pool():
+    cfg = composed("scheduler=vllm_v1", "kv.prefix_cache_mode=vllm", "replicas=2")
+    assert [r.kv.prefix_cache_mode for r in build_replicas(cfg, model_spec(cfg), num_blocks=64)] == ["vllm", "vllm"]
+    with pytest.raises(ValueError, match="kv.prefix_cache_mode='lru'; allowed"):
+        bad = composed("kv.prefix_cache_mode=lru")
+        build_replicas(bad, model_spec(bad), num_blocks=64)
