@@ -38,9 +38,9 @@ def make_stream(seed: int) -> Stream:
     prefix, private suffix, output length). Pools range from roomy to barely one request's lifetime, so some streams
     preempt; shared prefixes (some block-aligned, some whole prompts) make prefix caching matter."""
     rng = random.Random(seed)
-    block_size = rng.choice([4, 8, 16])
+    block_size = rng.choice([2, 4, 8, 16, 32])
     chunked = rng.random() < 0.8
-    max_num_seqs = rng.choice([1, 2, 3, 4, 6, 8])
+    max_num_seqs = rng.choice([1, 2, 3, 4, 6, 8, 16])
     if chunked:
         budget, max_model_len = max(max_num_seqs, rng.choice([16, 24, 32, 48, 64, 96, 128, 256])), 1024
     else:  # vLLM requires max_num_batched_tokens >= max_model_len without chunked prefill
@@ -49,7 +49,7 @@ def make_stream(seed: int) -> Stream:
     # prefixes: whole blocks or not, shared by several requests
     prefixes = [rng.choice([block_size * rng.randint(1, 6), rng.randint(1, 90)]) for _ in range(rng.randint(1, 4))]
     requests, step = [], 0
-    for i in range(rng.randint(8, 30)):
+    for i in range(rng.randint(8, 40)):
         step += 0 if i == 0 or rng.random() < 0.4 else rng.randint(1, 8)
         max_tokens = rng.randint(1, 40)
         room = max_model_len - max_tokens

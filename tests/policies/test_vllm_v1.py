@@ -5,6 +5,7 @@ made by experiments/vllm_sched_trace.py from vLLM itself) replayed step by step,
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -115,12 +116,15 @@ def test_recorded_streams_hit_the_prefix_cache():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM venv at {VLLM_PYTHON}")
+@pytest.mark.skipif(not any(ROOT.glob(".venv-vllm/lib/python3*/site-packages/vllm/v1/core/sched/scheduler.py")),
+                    reason="no vLLM in .venv-vllm (experiments/vllm_sched_trace.py needs it)")
 def test_decisions_match_vllm_live(tmp_path):
-    """Fresh seeds recorded by vLLM now (about a minute on 2 cores), replayed here."""
+    """12 seeds never recorded before (drawn anew each run; a mismatch names its seed, which
+    ``vllm_sched_trace.py --seeds`` records again), recorded by vLLM now (under a minute) and replayed here."""
+    first = random.SystemRandom().randrange(1000, 10**6)
     out = tmp_path / "live.json"
-    subprocess.run([str(VLLM_PYTHON), str(ROOT / "experiments" / "vllm_sched_trace.py"), "--seeds", "1000-1011",
-                    "--out", str(out)], check=True, cwd=ROOT, stdout=sys.stderr)
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "experiments" / "vllm_sched_trace.py"),
+                    "--seeds", f"{first}-{first + 11}", "--out", str(out)], check=True, cwd=ROOT, stdout=sys.stderr)
     for stream in json.loads(out.read_text())["streams"]:
         assert_same_decisions(stream)
 
