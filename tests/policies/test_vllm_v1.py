@@ -34,9 +34,10 @@ SCHEDULER_KEYS = ("long_prefill_token_threshold", "long_prefill_token_threshold_
 
 
 # ---- replaying a stream through a Replica ------------------------------------------------------------------
-def replay(stream: dict) -> tuple[list[dict], list[RequestState], Replica]:
+def replay(stream: dict) -> tuple[list[dict], list[RequestState], Replica, int]:
     """The stream through a Replica with the vllm_v1 scheduler and vLLM's prefix-cache mode, one step per
-    ``schedule()`` as on vLLM's side: the step records, the request states and the replica."""
+    ``schedule()`` as on vLLM's side: the step records, the request states, the replica and how many chunks were
+    partial prefills."""
     cfg = stream["config"]
     limits = SchedulerLimits(max_num_batched_tokens=cfg["max_num_batched_tokens"], max_num_seqs=cfg["max_num_seqs"],
                              max_model_len=cfg["max_model_len"])
@@ -45,7 +46,7 @@ def replay(stream: dict) -> tuple[list[dict], list[RequestState], Replica]:
     rep = Replica(0, VLLMv1Scheduler(**{k: cfg[k] for k in SCHEDULER_KEYS}), kv, limits)
     index = {r["id"]: i for i, r in enumerate(stream["requests"])}
     pending = sorted(stream["requests"], key=lambda r: r["arrival"])
-    steps, states, k = [], [], 0
+    steps, states, k, partial = [], [], 0, 0
     while pending or rep.waiting or rep.running:
         while pending and pending[0]["arrival"] <= k:
             r = pending.pop(0)
@@ -56,16 +57,18 @@ def replay(stream: dict) -> tuple[list[dict], list[RequestState], Replica]:
         tokens = [sampled_token(stream, index[ch.state.id], ch.state.num_output_tokens)
                   for ch in batch.chunks if ch.samples]
         rep.apply(batch, tokens, k + 1.0)
+        partial += sum(not ch.samples for ch in batch.chunks)
         finished = [ch.state.id for ch in batch.chunks if ch.state.status is Status.FINISHED]
         steps.append(step_record({ch.state.id: ch.num_tokens for ch in batch.chunks}, batch.preempted, finished))
         k += 1
-    return steps, states, rep
+    return steps, states, rep, partial
 
 
-def assert_same_decisions(stream: dict) -> list[dict]:
+def assert_same_decisions(stream: dict) -> tuple[list[RequestState], int]:
     """Replay ``stream`` and compare with its recorded steps: the same tokens per request in the same order, the
-    same preemptions and finished requests, in every step; the pool back to free / evictable at the end."""
-    ours, states, rep = replay(stream)
+    same preemptions and finished requests, in every step; the pool back to free / evictable at the end. Returns
+    the request states and the number of partial-prefill chunks."""
+    ours, states, rep, partial = replay(stream)
     theirs = stream["steps"]
     for k, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         if list(a["s"].items()) != list(b["s"].items()) or a.get("p") != b.get("p") or a.get("f") != b.get("f"):
@@ -75,7 +78,7 @@ def assert_same_decisions(stream: dict) -> list[dict]:
     assert all(s.status is Status.FINISHED for s in states)
     rep.kv.check_invariants()
     assert rep.kv.num_used_blocks == 0
-    return ours
+    return states, partial
 
 
 # ---- the recording ---------------------------------------------------------------------------------------
@@ -92,27 +95,20 @@ def test_recording_is_vllms_and_describes_the_streams_generated_here():
 
 def test_decisions_match_the_recording():
     streams = load_recording()["streams"]
-    steps = [step for stream in streams for step in assert_same_decisions(stream)]
-    # what the recording covers (each counted on vLLM's decisions, which the replay just matched)
-    assert len(steps) >= 1000 and len(streams) >= 20
-    assert sum(len(s.get("p", ())) for s in steps) >= 20  # preemptions
-    partial = [(stream, rid, n) for stream in streams for s in stream["steps"] for rid, n in s["s"].items()
-               if n > 1 and stream["config"]["long_prefill_token_threshold"] == 0]
-    assert len(partial) >= 100
-    capped = [stream["seed"] for stream in streams for s in stream["steps"]
-              if stream["config"]["long_prefill_token_threshold"] in s["s"].values()]
-    assert len(set(capped)) >= 3  # chunks cut at the threshold in several streams
-    assert any(not s["config"]["enable_chunked_prefill"] for s in streams)
-    assert any(s["config"]["long_prefill_token_threshold_adaptive"] for s in streams)
-    assert any(not s["config"]["scheduler_reserve_full_isl"] for s in streams)
-
-
-def test_recorded_streams_hit_the_prefix_cache():
-    """Prefix hits at first admission, in most streams with caching on (the replay's count is vLLM's: the tokens
-    scheduled at admission are the same)."""
-    streams = [s for s in load_recording()["streams"] if s["config"]["enable_prefix_caching"]]
-    hits = [sum(st.num_cached_tokens > 0 for st in replay(s)[1]) for s in streams]
-    assert sum(h > 0 for h in hits) >= len(streams) // 2 and sum(hits) >= 50
+    replays = {stream["seed"]: assert_same_decisions(stream) for stream in streams}
+    # what the recording covers, on vLLM's decisions (which the replay just matched: its counts are vLLM's too)
+    steps = [step for stream in streams for step in stream["steps"]]
+    assert len(steps) >= 10_000 and len(streams) >= 40
+    assert sum(len(s.get("p", ())) for s in steps) >= 300  # preemptions
+    assert sum(partial for _, partial in replays.values()) >= 1000  # chunked prefills
+    capped = {stream["seed"] for stream in streams for s in stream["steps"]
+              if stream["config"]["long_prefill_token_threshold"] in s["s"].values()}
+    assert len(capped) >= 10  # chunks cut at the threshold in many streams
+    hits = [sum(s.num_cached_tokens > 0 for s in states) for states, _ in replays.values()]  # at first admission
+    assert sum(hits) >= 300 and sum(h > 0 for h in hits) >= 25
+    for key in ("enable_chunked_prefill", "scheduler_reserve_full_isl", "enable_prefix_caching",
+                "long_prefill_token_threshold_adaptive"):
+        assert len({s["config"][key] for s in streams}) == 2, key  # both settings recorded
 
 
 @pytest.mark.slow
@@ -141,9 +137,11 @@ def replica(num_blocks: int = 64, mode: str = VLLM, prefix_caching: bool = True,
 
 
 def add(rep: Replica, rid: str, prompt: tuple[int, ...] | int, max_tokens: int = 4, now: float = 0.0) -> None:
-    ids = tuple(range(1000, 1000 + prompt)) if isinstance(prompt, int) else prompt  # an int: a private prompt
-    rep.add(Request(rid, now, len(ids), max_tokens, prompt_token_ids=ids if not isinstance(prompt, int) else None),
-            now)
+    """Queue a request: ``prompt`` its token ids, or its length (content private to it)."""
+    if isinstance(prompt, int):
+        rep.add(Request(rid, now, prompt, max_tokens), now)
+    else:
+        rep.add(Request(rid, now, len(prompt), max_tokens, prompt_token_ids=prompt), now)
 
 
 def step(rep: Replica, now: float = 0.0) -> tuple[dict[str, int], list[str]]:
@@ -203,9 +201,9 @@ def test_kv_exhaustion_preempts_the_newest_then_the_request_itself_and_admits_no
 def test_waiting_head_that_does_not_fit_blocks_the_queue():
     rep = replica(num_blocks=8)
     add(rep, "A", 20)
-    assert step(rep) == ({"A": 20}, [])  # 5 blocks held, 3 free
+    assert step(rep) == ({"A": 20}, [])  # 5 blocks held
     add(rep, "B", 16)  # needs 4 blocks
-    add(rep, "C", 2)  # would fit
+    add(rep, "C", 2)  # would fit in the 2 left after A's decode takes a 6th
     assert step(rep) == ({"A": 1}, [])
 
 
