@@ -73,9 +73,10 @@ class SchedulerView(Protocol):
     def lookup(self, state: RequestState) -> int:
         """Tokens of a waiting request the prefix cache would skip (no side effects)."""
 
-    def admit(self, state: RequestState, num_tokens: int) -> bool:
+    def admit(self, state: RequestState, num_tokens: int, fit_tokens: int = 0) -> bool:
         """Move a waiting request to running with its cached prefix plus room for ``num_tokens`` new tokens.
-        False, changing nothing, when the KV pool cannot hold them."""
+        False, changing nothing, when the KV pool cannot hold them, or could not hold ``fit_tokens`` tokens of the
+        request in all, its cached prefix included (vLLM admits a first chunk only if the whole prompt would fit)."""
 
     def allocate(self, state: RequestState, num_tokens: int) -> bool:
         """Room for ``num_tokens`` more tokens of a running request. False (no change) if the pool is full."""

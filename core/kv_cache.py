@@ -3,6 +3,16 @@
 Both backends use this class unchanged; the engine's KV tensors are indexed by exactly these block ids.
 A block is in one of three places: in use (refcount > 0), free (refcount 0, no cached content) or
 evictable (refcount 0, still holding a cached prefix block; ordered by the EvictionPolicy plugin).
+
+Two prefix-cache modes (``prefix_cache_mode``):
+
+- ``prompt`` (default): a request's full prompt blocks enter the cache once computed (``register_computed``, after
+  the step); a block whose content is cached already stays private (the first copy is kept).
+- ``vllm``: vLLM v1's block pool. Every full block enters the cache, generated tokens' blocks too, as soon as the
+  step that computes it is scheduled (``admit`` / ``allocate``): a request admitted later in the same step hits it.
+  Copies of one content all stay cached; a lookup takes the one cached first. With ``lru`` eviction the evictable
+  blocks then leave in vLLM's order: its free queue evicts from the front and a freed request's blocks are
+  appended tail first, which is LRU's order (key = the time a block became evictable, ties in freeing order).
 """
 
 from __future__ import annotations
@@ -10,9 +20,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from core.checks import check_int
+from core.checks import check_choice, check_int
 from core.host_tier import HostTier
 from core.interfaces import Block, EvictionPolicy  # Block lives with the EvictionPolicy that reads it
+from core.prompt import extend_block_hashes
 from core.request import RequestState
 
 # Host memory per block: a never-used block costs its list slot; a used one a Block object, its place in a block
@@ -21,6 +32,9 @@ from core.request import RequestState
 # ``core.resources`` sizes a config with these before building it.
 BLOCK_BYTES_USED = 400
 BLOCK_BYTES_IDLE = 8
+
+PROMPT, VLLM = "prompt", "vllm"
+PREFIX_CACHE_MODES = (PROMPT, VLLM)
 
 
 class _Blocks(Sequence[Block]):
@@ -53,12 +67,17 @@ class _Blocks(Sequence[Block]):
 
 
 class KVCacheManager:
-    """Allocates blocks to requests and shares full prompt blocks through chained hashes (core.prompt)."""
+    """Allocates blocks to requests and shares full blocks (prompt blocks; in vllm mode every block) through chained
+    hashes (core.prompt)."""
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy,
-                 enable_prefix_caching: bool = True, host: HostTier | None = None) -> None:
+                 enable_prefix_caching: bool = True, host: HostTier | None = None,
+                 prefix_cache_mode: str = PROMPT) -> None:
         check_int(num_blocks, "kv.num_blocks", 1)
         check_int(block_size, "kv.block_size", 1)
+        check_choice(prefix_cache_mode, "kv.prefix_cache_mode", PREFIX_CACHE_MODES)
+        if prefix_cache_mode == VLLM and host is not None:
+            raise ValueError("kv.prefix_cache_mode=vllm does not support the host KV tier: set kv.host_blocks=0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.eviction = eviction
@@ -72,7 +91,11 @@ class KVCacheManager:
         # Blocks an allocation can take (never-used + free + evictable), kept as a count: the schedulers and the
         # decode fast-forward read it for every allocation, and len(eviction) is a Python call.
         self._num_free = num_blocks
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[int, int] = {}  # block hash -> block id (in vllm mode: the copy cached first)
+        self._copies: dict[int, list[int]] = {}  # vllm mode: block hash -> later cached copies, in caching order
+        self.prefix_cache_mode = prefix_cache_mode
+        # vllm mode: blocks are published (and generated tokens' blocks hashed) when their step is scheduled
+        self.publishes_on_schedule = prefix_cache_mode == VLLM and enable_prefix_caching
         self._tables: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}  # request id -> how many of its blocks are in the prefix cache
         self.host = host  # host KV tier (swap preemption, prefix spill); None: off
@@ -102,9 +125,11 @@ class KVCacheManager:
         """Block ids of the longest cached prefix; the last token is always recomputed (its logits are needed)."""
         if not self.enable_prefix_caching:
             return []
-        limit = min(len(state.block_hashes), (state.num_tokens - 1) // self.block_size)
+        limit = (state.num_tokens - 1) // self.block_size
+        hashes = self._hashes(state, limit)
+        limit = min(len(hashes), limit)
         hits = []
-        for h in state.block_hashes[:limit]:
+        for h in hashes[:limit]:
             bid = self._cached.get(h)
             if bid is None:
                 break
@@ -129,27 +154,32 @@ class KVCacheManager:
         return self.host.hits(state.block_hashes[num_device_hits:limit])
 
     # ---- allocation ----------------------------------------------------------------------------------------
-    def admit(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
+    def admit(self, state: RequestState, num_new_tokens: int, now: float, fit_tokens: int = 0) -> bool:
         """First allocation of a waiting request: take its cached prefix, then blocks for ``num_new_tokens``
-        more tokens. Sets ``num_computed_tokens`` to the hit length. All-or-nothing."""
+        more tokens. Sets ``num_computed_tokens`` to the hit length. All-or-nothing: False, changing nothing, also
+        when the pool could not hold ``fit_tokens`` tokens of the request in all (its cached prefix included; vLLM's
+        check that a whole prompt fits before its first chunk is admitted)."""
         assert state.id not in self._tables, f"request {state.id} already holds blocks"
         hits = self._hits(state)
         if self.host is not None:
-            return self._admit_with_host(state, hits, num_new_tokens, now)
+            return self._admit_with_host(state, hits, num_new_tokens, now, fit_tokens)
         cached = len(hits) * self.block_size
         need = self.blocks_for(cached + num_new_tokens) - len(hits)
-        if not self._claim(hits, need, now):
+        if not self._claim(hits, max(need, self.blocks_for(fit_tokens) - len(hits)), now):
             return False
         self._tables[state.id] = hits + self._take(need, now)
         self._registered[state.id] = len(hits)
         state.num_computed_tokens = cached
+        if self.publishes_on_schedule:
+            self._register(state, min(cached + num_new_tokens, state.num_tokens) // self.block_size, now)
         return True
 
-    def _claim(self, hits: list[int], need: int, now: float) -> bool:
-        """Take references on cached ``hits`` if ``need`` more blocks fit besides them; False changes nothing."""
+    def _claim(self, hits: list[int], room: int, now: float) -> bool:
+        """Take references on cached ``hits`` if ``room`` more blocks are free besides them; False changes
+        nothing."""
         items = self._items
         reclaimed = sum(1 for b in hits if items[b].ref_count == 0)  # evictable hits stop being free
-        if need + reclaimed > self._num_free:
+        if room + reclaimed > self._num_free:
             return False
         self._num_free -= reclaimed
         for bid in hits:
@@ -160,7 +190,8 @@ class KVCacheManager:
             self.eviction.on_hit(blk, now)
         return True
 
-    def _admit_with_host(self, state: RequestState, hits: list[int], num_new_tokens: int, now: float) -> bool:
+    def _admit_with_host(self, state: RequestState, hits: list[int], num_new_tokens: int, now: float,
+                         fit_tokens: int) -> bool:
         """``admit`` with a host tier: a swapped-out request gets its blocks back (those its device prefix hit
         covers come from the device cache, the rest are copied in); any other request's prefix continues on the
         host, whose blocks are copied in instead of recomputed. The copied blocks are published to the device
@@ -176,7 +207,7 @@ class KVCacheManager:
             computed = (len(hits) + len(copied)) * bs
         need = self.blocks_for(computed + num_new_tokens) - len(hits)
         host.pin(copied, now)  # taking device blocks may spill to the host: keep these from being evicted
-        if not self._claim(hits, need, now):
+        if not self._claim(hits, max(need, self.blocks_for(fit_tokens) - len(hits)), now):
             host.unpin(copied, now)
             return False
         table = hits + self._take(need, now)
@@ -210,12 +241,14 @@ class KVCacheManager:
     def allocate(self, state: RequestState, num_new_tokens: int, now: float) -> bool:
         """Grow a running request's table to hold ``num_new_tokens`` more tokens. All-or-nothing."""
         table = self._tables[state.id]
-        need = -(-(state.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        if need <= 0:
-            return True
-        if need > self._num_free:
-            return False
-        table += self._take(need, now)
+        end = state.num_computed_tokens + num_new_tokens
+        need = -(-end // self.block_size) - len(table)
+        if need > 0:
+            if need > self._num_free:
+                return False
+            table += self._take(need, now)
+        if self.publishes_on_schedule:  # the blocks this step completes (never past the tokens known: drafts)
+            self._register(state, min(end, state.num_tokens) // self.block_size, now)
         return True
 
     def receive(self, state: RequestState, num_tokens: int, now: float) -> list[int] | None:
@@ -260,7 +293,7 @@ class KVCacheManager:
 
     def _evict(self, n: int, now: float) -> list[int]:
         """``n`` cached blocks the eviction policy gives up, out of the prefix cache, each with one reference."""
-        items, cached, victim, host = self._items, self._cached, self.eviction.victim, self.host
+        items, victim, host, uncache = self._items, self.eviction.victim, self.host, self._uncache
         ids = []
         for _ in range(n):
             bid = victim()
@@ -268,7 +301,7 @@ class KVCacheManager:
             assert blk.ref_count == 0 and blk.hash is not None, f"eviction policy returned block {bid} in use"
             if host is not None:
                 host.spill(blk, bid, now)  # the copy runs before this step writes the block
-            del cached[blk.hash]
+            uncache(blk.hash, bid)
             blk.hash = None
             blk.num_hits = 0
             blk.ref_count = 1
@@ -277,29 +310,64 @@ class KVCacheManager:
         return ids
 
     def register_computed(self, state: RequestState, now: float) -> None:
-        """Publish the request's newly completed full prompt blocks to the prefix cache."""
-        if not self.enable_prefix_caching:
+        """Publish the request's newly completed full prompt blocks to the prefix cache (``prompt`` mode; in
+        ``vllm`` mode they were published when their step was scheduled)."""
+        if not self.enable_prefix_caching or self.publishes_on_schedule:
             return
-        hashes = state.block_hashes
-        done = min(state.num_computed_tokens // self.block_size, len(hashes))
+        self._register(state, min(state.num_computed_tokens // self.block_size, len(state.block_hashes)), now)
+
+    def _register(self, state: RequestState, done: int, now: float) -> None:
+        """Publish the request's blocks up to its ``done``-th to the prefix cache. A content cached already: in
+        ``prompt`` mode the block stays private (the first copy is kept), in ``vllm`` mode it is cached as a
+        further copy."""
         start = self._registered.get(state.id, done)
         if done <= start:
             return
+        hashes = self._hashes(state, done)
         items, cached, on_cached = self._items, self._cached, self.eviction.on_cached  # locals: a loop per block
         table = self._tables[state.id]
+        copies = self.publishes_on_schedule
         for i in range(start, done):
             h = hashes[i]
-            if h in cached:  # same content computed concurrently by another request: keep the first
-                continue
             bid = table[i]
+            if h in cached:  # same content computed concurrently by another request
+                if not copies:
+                    continue
+                self._copies.setdefault(h, []).append(bid)
+            else:
+                cached[h] = bid
             blk = items[bid]
             blk.hash = h
             blk.depth = i
             blk.cached_s = now
             blk.num_hits = 0
-            cached[h] = bid
             on_cached(blk, now)
         self._registered[state.id] = done
+
+    def _hashes(self, state: RequestState, num_blocks: int) -> Sequence[int]:
+        """The request's block hashes; in ``vllm`` mode first extended to its first ``num_blocks`` full blocks of
+        prompt + output tokens (the list a request starts with holds its prompt's and may be shared: the first
+        extension copies it)."""
+        hashes = state.block_hashes
+        if self.publishes_on_schedule and len(hashes) < num_blocks \
+                and state.num_tokens >= (len(hashes) + 1) * self.block_size:
+            if len(hashes) <= state.request.prompt_len // self.block_size:
+                hashes = state.block_hashes = list(hashes)
+            extend_block_hashes(state.request, hashes, state.output_token_ids, self.block_size, num_blocks)
+        return hashes
+
+    def _uncache(self, h: int, bid: int) -> None:
+        """Block ``bid``, cached as ``h``, leaves the prefix cache (the next copy of ``h``, if any, takes over)."""
+        copies = self._copies.get(h)
+        if copies is None:
+            del self._cached[h]
+            return
+        if self._cached[h] == bid:
+            self._cached[h] = copies.pop(0)
+        else:
+            copies.remove(bid)
+        if not copies:
+            del self._copies[h]
 
     def trim(self, state: RequestState, num_tokens: int) -> None:
         """Shrink a running request's table to the blocks ``num_tokens`` tokens need (speculative decoding: the
@@ -362,6 +430,10 @@ class KVCacheManager:
         assert len(free) + n_fresh + n_evictable + sum(1 for b in made if b.ref_count > 0) == self.num_blocks
         for h, bid in self._cached.items():
             assert self._items[bid].hash == h
+        for h, copies in self._copies.items():
+            assert h in self._cached and all(self._items[bid].hash == h for bid in copies)
+        n_copies = sum(len(c) for c in self._copies.values())
+        assert sum(1 for b in made if b.hash is not None) == len(self._cached) + n_copies, "a cached block is unmapped"
         if self.host is not None:
             self.host.check_invariants()
             assert not self._tables.keys() & self.host.swapped_ids, "a request holds device and host blocks"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,32 +29,54 @@ def _salt(request: Request) -> int:
     return int.from_bytes(hashlib.blake2b(request.tenant.encode(), digest_size=8).digest(), "little")
 
 
+def _prompt_key(request: Request, index: int, lo: int, hi: int) -> object:
+    """The content of prompt tokens [lo, hi) of block ``index``, as a block hash key: the token ids themselves, the
+    (hash_id, start, end) pieces of every content block they overlap, or the block's index (private content)."""
+    if request.prompt_token_ids is not None:
+        return request.prompt_token_ids[lo:hi]
+    if request.hash_ids is not None:
+        hb = request.tokens_per_hash_id
+        return tuple((request.hash_ids[j], max(lo, j * hb) - j * hb, min(hi, (j + 1) * hb) - j * hb)
+                     for j in range(lo // hb, (hi - 1) // hb + 1))
+    return index
+
+
+def _root(request: Request, block_size: int) -> int:
+    """The hash every chain of this request's blocks starts from: the salt, and the request's id if its content is
+    private to it."""
+    parent = hash((_salt(request), block_size))
+    if request.prompt_token_ids is None and request.hash_ids is None:
+        parent = hash((parent, _UNIQUE, request.id))
+    return parent
+
+
 def block_hashes(request: Request, block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks (a partial last block is never cached)."""
-    n_full = request.prompt_len // block_size
-    salt = _salt(request)
     out: list[int] = []
-    parent = hash((salt, block_size))
-    if request.prompt_token_ids is not None:
-        ids = request.prompt_token_ids
-        for i in range(n_full):
-            parent = hash((parent, ids[i * block_size:(i + 1) * block_size]))
-            out.append(parent)
-    elif request.hash_ids is not None:
-        hb = request.tokens_per_hash_id
-        for i in range(n_full):
-            lo, hi = i * block_size, (i + 1) * block_size
-            # (hash_id, start, end) for every content block this KV block overlaps
-            key = tuple((request.hash_ids[j], max(lo, j * hb) - j * hb, min(hi, (j + 1) * hb) - j * hb)
-                        for j in range(lo // hb, (hi - 1) // hb + 1))
-            parent = hash((parent, key))
-            out.append(parent)
-    else:
-        parent = hash((parent, _UNIQUE, request.id))
-        for i in range(n_full):
-            parent = hash((parent, i))
-            out.append(parent)
+    parent = _root(request, block_size)
+    for i in range(request.prompt_len // block_size):
+        parent = hash((parent, _prompt_key(request, i, i * block_size, (i + 1) * block_size)))
+        out.append(parent)
     return out
+
+
+def extend_block_hashes(request: Request, hashes: list[int], output_ids: Sequence[int], block_size: int,
+                        num_blocks: int) -> None:
+    """Append to ``hashes`` (the chained hashes of the request's first blocks, at least its full prompt blocks) those
+    of its next full blocks of prompt + output tokens, up to ``num_blocks`` blocks in all or as many as are full.
+    A block past the prompt's full ones is keyed by its prompt tail (if any) and its output tokens: vLLM's prefix
+    cache holds generated tokens' blocks too (``KVCacheManager``'s ``vllm`` mode). With token ids the key is the
+    block's tokens, whichever side they come from, so a later prompt that repeats prompt + outputs (the next turn of
+    a chat) hits these blocks, as in vLLM."""
+    prompt_len = request.prompt_len
+    num_blocks = min(num_blocks, (prompt_len + len(output_ids)) // block_size)
+    parent = hashes[-1] if hashes else _root(request, block_size)
+    for i in range(len(hashes), num_blocks):
+        lo, hi = i * block_size, (i + 1) * block_size
+        head = _prompt_key(request, i, lo, prompt_len) if lo < prompt_len else ()
+        tail = tuple(output_ids[max(lo, prompt_len) - prompt_len:hi - prompt_len])
+        parent = hash((parent, head + tail if request.prompt_token_ids is not None else (head, tail)))
+        hashes.append(parent)
 
 
 def content_block(hash_id: int, size: int, vocab_size: int, seed: int = 0) -> np.ndarray:

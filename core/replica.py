@@ -68,10 +68,11 @@ class ReplicaSchedulerView:
         """Tokens of a waiting request the prefix cache would skip (no side effects)."""
         return self._kv.lookup(state)
 
-    def admit(self, state: RequestState, num_tokens: int) -> bool:
+    def admit(self, state: RequestState, num_tokens: int, fit_tokens: int = 0) -> bool:
         """Move a waiting request to running with its cached prefix plus room for ``num_tokens`` new tokens.
-        Returns False, changing nothing, when the KV pool cannot hold them."""
-        if not self._kv.admit(state, num_tokens, self.now):
+        Returns False, changing nothing, when the KV pool cannot hold them (or ``fit_tokens`` in all; see
+        SchedulerView.admit)."""
+        if not self._kv.admit(state, num_tokens, self.now, fit_tokens):
             return False
         self.waiting.remove(state)
         self.running.append(state)
@@ -371,9 +372,11 @@ class Replica:
         the same decodes (``core.fast_forward``), else None. The caller ends it with ``end_decode_run`` before the
         next ``schedule``; in between, the run's ``advance`` stands for schedule / execute / apply."""
         running = self.running
-        # with a host tier a fast-forwarded allocation could spill evicted blocks, whose copies no batch would carry
+        # with a host tier a fast-forwarded allocation could spill evicted blocks, whose copies no batch would carry;
+        # a pool that publishes blocks when scheduled (vLLM's) would have to hash each decode's new block as its
+        # step starts, which the run does not do
         if not running or self._aborts or self._decode_run is not None or self.kv.host is not None \
-                or len(running) > self.limits.max_num_batched_tokens:
+                or self.kv.publishes_on_schedule or len(running) > self.limits.max_num_batched_tokens:
             return None
         for state in running:
             if state.in_prefill:

@@ -121,7 +121,7 @@ def build_replicas(run: RunConfig) -> list[Replica]:
     sched = OmegaConf.create({k: v for k, v in plain(cfg.scheduler).items() if k not in LIMIT_KEYS})
     return [Replica(i, instantiate_group(sched, "scheduler"),
                     KVCacheManager(run.num_kv_blocks, run.kv.block_size, instantiate_group(cfg.eviction, "eviction"),
-                                   run.kv.prefix_caching, host_tier(run)), run.limits,
+                                   run.kv.prefix_caching, host_tier(run), run.kv.prefix_cache_mode), run.limits,
                     speculation=instantiate_group(spec.policy, "speculation") if spec.method else None,
                     preemption=preemption_policy(run))
             for i in range(run.cluster.num_replicas)]

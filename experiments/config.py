@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from core import arithmetic
 from core.checks import check_bool, check_choice, check_float, check_fraction, check_int, check_keys
 from core.interfaces import SchedulerLimits
+from core.kv_cache import PREFIX_CACHE_MODES
 from core.links import Link
 from core.metrics import PERCENTILE_METHODS
 from core.specs import HardwareSpec, ModelSpec, QuantSpec
@@ -62,6 +63,7 @@ class KVConfig:
     memory_bytes: Optional[float] = None  # noqa: UP045  KV budget per replica
     memory_fraction: float = 0.9  # share of hardware.mem_bytes for weights + KV when sized from the hardware
     prefix_caching: bool = True
+    prefix_cache_mode: str = "prompt"  # prompt: full prompt blocks once computed | vllm: vLLM v1's block pool
     host_blocks: int = 0  # host KV tier per replica, in blocks; 0: off
     host_memory_bytes: Optional[float] = None  # noqa: UP045  the host tier in bytes instead of blocks
     host_spill: bool = True  # evicted device prefix blocks move to the host tier
@@ -77,6 +79,7 @@ class KVConfig:
         _put(self, "memory_fraction", check_fraction(self.memory_fraction, "kv.memory_fraction"))
         check_bool(self.prefix_caching, "kv.prefix_caching")
         check_bool(self.host_spill, "kv.host_spill")
+        check_choice(self.prefix_cache_mode, "kv.prefix_cache_mode", PREFIX_CACHE_MODES)
         _put(self, "host_blocks", check_int(self.host_blocks or 0, "kv.host_blocks", 0, whole_float=True))
         allowed = sorted(p.stem for p in (CONF_DIR / "eviction").glob("*.yaml"))
         check_choice(self.host_eviction, "kv.host_eviction", allowed)

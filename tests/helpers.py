@@ -1,4 +1,4 @@
-"""Small builders shared by tests: a list workload, a formula executor, a one-call simulation, a parsed run."""
+"""Small builders shared by tests: a list workload, a formula executor, requests run in one call, a parsed run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from core.batch import StepFeatures
 from core.interfaces import BaseExecutor, StepOutput
-from core.kv_cache import KVCacheManager
+from core.kv_cache import PROMPT, KVCacheManager
 from core.loop import RunResult, ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, RequestState
@@ -40,10 +40,12 @@ class FormulaExecutor(BaseExecutor):
         return StepOutput([1] * sum(ch.samples for ch in batch.chunks), self.f(batch.features))
 
 
-def simulate(requests: Sequence[Request], scheduler_factory, *, step_time=lambda f: 0.01, num_blocks=64,
+def run_requests(requests: Sequence[Request], scheduler_factory, *, step_time=lambda f: 0.01, num_blocks=64,
              block_size=16, replicas=1, router=None, eviction_factory=LRUEviction, prefix_caching=True,
-             keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
-    reps = [Replica(i, scheduler_factory(), KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching),
+             prefix_cache_mode=PROMPT, keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
+    reps = [Replica(i, scheduler_factory(),
+                    KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching,
+                                   prefix_cache_mode=prefix_cache_mode),
                     SchedulerLimits(**limits)) for i in range(replicas)]
     loop = ServingLoop(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
                        ListWorkload(requests), keep_batches=keep_batches)

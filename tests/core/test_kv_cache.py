@@ -1,15 +1,17 @@
 """KV cache manager: prefix-cache semantics (docs/architecture.md, "Prefix caching") and accounting invariants
 under random load."""
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.kv_cache import KVCacheManager
+from core.host_tier import HostTier
+from core.kv_cache import PREFIX_CACHE_MODES, VLLM, KVCacheManager
 from core.prompt import block_hashes
 from core.request import Request, RequestState, Status
 from policies.eviction.lru import LRUEviction
 from policies.schedulers.sarathi import SarathiScheduler
-from tests.helpers import simulate
+from tests.helpers import run_requests
 
 
 def state_of(req: Request, block_size: int) -> RequestState:
@@ -65,14 +67,73 @@ def test_evicted_blocks_are_reused_lru_first():
     kv.check_invariants()
 
 
+# ---- vllm mode: vLLM v1's block pool ------------------------------------------------------------------------
+def test_vllm_mode_publishes_blocks_when_scheduled():
+    ids = tuple(range(8))
+    for mode, hit in ((VLLM, 8), ("prompt", 0)):
+        kv = KVCacheManager(16, 4, LRUEviction(), prefix_cache_mode=mode)
+        assert kv.admit(state_of(Request("a", 0, 8, 1, prompt_token_ids=ids), 4), 8, 0.0)  # not computed yet
+        # vLLM: a request admitted later in the same step reuses them (its KV is written in the same forward pass)
+        assert kv.lookup(state_of(Request("b", 0, 10, 1, prompt_token_ids=ids + (1, 2)), 4)) == hit
+
+
+def test_vllm_mode_caches_generated_tokens_blocks():
+    kv = KVCacheManager(16, 4, LRUEviction(), prefix_cache_mode=VLLM)
+    a = state_of(Request("a", 0, 6, 9, prompt_token_ids=tuple(range(6))), 4)
+    assert kv.admit(a, 6, 0.0)
+    a.num_computed_tokens = 6
+    for t in (5, 6, 7, 8, 9):  # decode steps: the block of tokens 4..8 (prompt tail + 2 outputs) fills first
+        a.add_token(t, 0.0)
+        assert kv.allocate(a, a.num_tokens - a.num_computed_tokens, 0.0)
+        a.num_computed_tokens = a.num_tokens
+    resumed = Request("b", 0, 13, 1, prompt_token_ids=tuple(range(6)) + (5, 6, 7, 8, 9, 1, 1))
+    assert kv.lookup(state_of(resumed, 4)) == 8  # blocks [0, 4) and [4, 8); [8, 11) is not full
+    kv.free(a, 1.0)
+    kv.check_invariants()
+
+
+def test_vllm_mode_keeps_copies_and_a_lookup_takes_the_first_cached():
+    kv = KVCacheManager(16, 4, LRUEviction(), prefix_cache_mode=VLLM)
+    ids = tuple(range(12))
+    a = state_of(Request("a", 0, 12, 1, prompt_token_ids=ids), 4)
+    b = state_of(Request("b", 0, 12, 1, prompt_token_ids=ids), 4)
+    assert kv.admit(a, 4, 0.0)  # a's first chunk: block 0
+    assert kv.admit(b, 8, 0.0)  # b hits block 0 and computes blocks 1, 2 itself
+    a.num_computed_tokens = 4
+    assert kv.allocate(a, 8, 1.0)  # a computes its own copies of blocks 1, 2: both copies stay cached
+    kv.check_invariants()
+    first = kv.block_table("a")[:1] + kv.block_table("b")[1:]
+    kv.free(b, 2.0)  # b's copies become evictable; a lookup still takes them (cached first), not a's in use
+    c = state_of(Request("c", 0, 13, 1, prompt_token_ids=ids + (1,)), 4)
+    free = kv.num_free_blocks
+    assert kv.admit(c, 1, 3.0)
+    assert kv.block_table("c")[:3] == first
+    assert kv.num_free_blocks == free - 2 - 1  # b's two evictable copies reclaimed, one new block
+    kv.check_invariants()
+
+
+def test_vllm_mode_refuses_a_host_tier():
+    with pytest.raises(ValueError, match="kv.prefix_cache_mode=vllm"):
+        KVCacheManager(16, 4, LRUEviction(), host=HostTier(8, 4, LRUEviction()), prefix_cache_mode=VLLM)
+
+
+def test_admit_checks_that_fit_tokens_would_fit():
+    kv = KVCacheManager(4, 4, LRUEviction())
+    s = state_of(Request("a", 0, 20, 1), 4)
+    assert not kv.admit(s, 4, 0.0, fit_tokens=20)  # 5 blocks would not fit; nothing taken
+    assert kv.num_free_blocks == 4
+    assert kv.admit(s, 4, 0.0, fit_tokens=16) and kv.num_free_blocks == 3  # only the chunk's block is taken
+
+
 request_lists = st.lists(
     st.tuples(st.floats(0, 2), st.integers(1, 120), st.integers(1, 30), st.integers(0, 3), st.sampled_from("ab")),
     min_size=1, max_size=25)
 
 
+@pytest.mark.parametrize("mode", PREFIX_CACHE_MODES)
 @given(request_lists, st.sampled_from([4, 16]), st.integers(8, 40), st.sampled_from([16, 64, 256]),
        st.booleans())
-def test_accounting_invariants_under_random_load(spec, block_size, num_blocks, budget, prefix_caching):
+def test_accounting_invariants_under_random_load(mode, spec, block_size, num_blocks, budget, prefix_caching):
     reqs = [Request(f"r{i}", t, p, o, hash_ids=(g, 100 + i, 200 + i, 300 + i), tokens_per_hash_id=32, tenant=tenant)
             for i, (t, p, o, g, tenant) in enumerate(spec)]
     checks = []
@@ -81,9 +142,9 @@ def test_accounting_invariants_under_random_load(spec, block_size, num_blocks, b
         checks.append(f)
         return 0.01 + 1e-4 * f.num_batched_tokens
 
-    res, reps = simulate(reqs, SarathiScheduler, step_time=step_time, num_blocks=num_blocks, block_size=block_size,
-                         prefix_caching=prefix_caching, max_num_batched_tokens=budget, max_num_seqs=8,
-                         max_model_len=4096)
+    res, reps = run_requests(reqs, SarathiScheduler, step_time=step_time, num_blocks=num_blocks, block_size=block_size,
+                         prefix_caching=prefix_caching, prefix_cache_mode=mode, max_num_batched_tokens=budget,
+                         max_num_seqs=8, max_model_len=4096)
     # every request ends in exactly one terminal status, and counts add up
     assert sorted(s.id for s in res.states) == sorted(r.id for r in reqs)
     assert all(s.status.terminal for s in res.states)
@@ -114,7 +175,7 @@ def test_same_input_same_timeline(spec):
             for i, (t, p, o, g, _) in enumerate(spec)]
 
     def timeline():
-        res, _ = simulate(reqs, SarathiScheduler, num_blocks=12, block_size=16, max_num_batched_tokens=64,
+        res, _ = run_requests(reqs, SarathiScheduler, num_blocks=12, block_size=16, max_num_batched_tokens=64,
                           max_num_seqs=4, step_time=lambda f: 0.003 + 1e-5 * f.num_batched_tokens)
         return [(s.id, s.status, s.first_token_s, s.finish_s, tuple(s.token_times), s.num_preemptions)
                 for s in res.states], [(x.start_s, x.duration_s, x.features) for x in res.steps]

@@ -4,7 +4,7 @@ import pytest
 
 from core.request import Request, Status
 from policies.schedulers.sarathi import SarathiScheduler
-from tests.helpers import simulate
+from tests.helpers import run_requests
 
 C0, PER_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
 
@@ -16,7 +16,7 @@ def step_time(f):
 def chunk_scenario(budget):
     """A and B (2-token prompts) start at t=0 and decode; C (7-token prompt) arrives at t=0.010."""
     reqs = [Request("A", 0.0, 2, 12), Request("B", 0.0, 2, 12), Request("C", 0.010, 7, 2)]
-    res, _ = simulate(reqs, SarathiScheduler, step_time=step_time, max_num_batched_tokens=budget, max_num_seqs=8)
+    res, _ = run_requests(reqs, SarathiScheduler, step_time=step_time, max_num_batched_tokens=budget, max_num_seqs=8)
     return {s.id: s for s in res.states}, res
 
 
@@ -60,7 +60,7 @@ def test_attention_pairs_and_kv_reads_by_hand():
 
 def test_prompt_longer_than_model_or_pool_is_rejected_with_reason():
     reqs = [Request("ok", 0.0, 10, 5), Request("long", 0.0, 100, 5), Request("pool", 0.0, 70, 5)]
-    res, reps = simulate(reqs, SarathiScheduler, num_blocks=4, block_size=16, max_model_len=80)
+    res, reps = run_requests(reqs, SarathiScheduler, num_blocks=4, block_size=16, max_model_len=80)
     by_id = {s.id: s for s in res.states}
     assert by_id["ok"].status is Status.FINISHED
     assert by_id["long"].status is Status.REJECTED and "max_model_len" in by_id["long"].reason
@@ -70,7 +70,7 @@ def test_prompt_longer_than_model_or_pool_is_rejected_with_reason():
 
 def test_timeouts_end_requests_and_free_blocks():
     reqs = [Request(f"r{i}", 0.0, 50, 10) for i in range(6)]
-    res, reps = simulate(reqs, SarathiScheduler, step_time=lambda f: 0.1, request_timeout_s=3.0,
+    res, reps = run_requests(reqs, SarathiScheduler, step_time=lambda f: 0.1, request_timeout_s=3.0,
                          max_num_batched_tokens=64, max_num_seqs=2)
     statuses = [s.status for s in res.states]
     assert Status.TIMED_OUT in statuses and Status.FINISHED in statuses
@@ -81,7 +81,7 @@ def test_timeouts_end_requests_and_free_blocks():
 def test_prompt_ids_outside_the_vocabulary_are_rejected():
     reqs = [Request("bad", 0.0, 3, 2, prompt_token_ids=(1, 99, 2)),
             Request("ok", 0.0, 3, 2, prompt_token_ids=(1, 2, 3))]
-    res, _ = simulate(reqs, SarathiScheduler, vocab_size=50)
+    res, _ = run_requests(reqs, SarathiScheduler, vocab_size=50)
     by_id = {s.id: s for s in res.states}
     assert by_id["bad"].status is Status.REJECTED and "vocabulary" in by_id["bad"].reason
     assert by_id["ok"].status is Status.FINISHED

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.kv_cache import KVCacheManager
+from core.kv_cache import PROMPT, VLLM, KVCacheManager
 from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, Status
@@ -22,6 +22,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
+from policies.schedulers.vllm_v1 import VLLMv1Scheduler
 from sim.clock import run_virtual
 from tests.engine.checkpoints import TINY, tiny_checkpoint
 from tests.helpers import ListWorkload
@@ -51,9 +52,9 @@ def setup(tmp_path_factory, request):
     return spec, model, reqs, expected
 
 
-def serve(setup, scheduler, budget, num_blocks=64, prefix_caching=True, requests=None):
+def serve(setup, scheduler, budget, num_blocks=64, prefix_caching=True, requests=None, prefix_cache_mode=PROMPT):
     spec, model, reqs, _ = setup
-    kv = KVCacheManager(num_blocks, BLOCK, LRUEviction(), prefix_caching)
+    kv = KVCacheManager(num_blocks, BLOCK, LRUEviction(), prefix_caching, prefix_cache_mode=prefix_cache_mode)
     replica = Replica(0, scheduler, kv, SchedulerLimits(budget, 8, spec.max_model_len))
     executor = build_engine_executor(spec, kv_manager=kv, model=model)
     result = run_virtual(ServingLoop([replica], [executor], RoundRobinRouter(), ListWorkload(requests or reqs)))
@@ -95,6 +96,21 @@ def test_outputs_survive_recompute_preemption(setup, budget):
 def test_every_scheduler_matches_hf(setup, scheduler, num_blocks):
     states, _ = serve(setup, scheduler(), 64, num_blocks)
     assert_matches_hf(states, setup[3])
+
+
+@pytest.mark.parametrize("mode", [PROMPT, VLLM])
+@pytest.mark.parametrize("num_blocks", [64, 14])
+def test_vllm_v1_matches_hf_with_either_prefix_cache_mode(setup, mode, num_blocks):
+    """Everything at once: in vllm mode later requests reuse blocks an earlier one computes in the same step, and
+    preempted ones resume from their generated tokens' cached blocks (14 blocks) -- the KV read is still right."""
+    spec, model, reqs, expected = setup
+    burst = [Request(r.id, 0.0, r.prompt_len, NEW, prompt_token_ids=r.prompt_token_ids) for r in reqs]
+    states, _ = serve(setup, VLLMv1Scheduler(long_prefill_token_threshold=5), 64, num_blocks, requests=burst,
+                      prefix_cache_mode=mode)
+    assert_matches_hf(states, expected)
+    assert (sum(s.num_preemptions for s in states.values()) > 0) == (num_blocks == 14)
+    if mode == VLLM:
+        assert sum(s.num_cached_tokens for s in states.values()) >= 12  # same-step hits on the shared prompt
 
 
 def test_prefix_hits_skip_compute_with_the_same_outputs(setup):

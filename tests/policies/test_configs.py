@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from core.interfaces import EvictionPolicy, Router, Scheduler
 from core.request import Request, Status
 from experiments.build import build_replicas
-from tests.helpers import parsed, simulate
+from tests.helpers import parsed, run_requests
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -50,7 +50,8 @@ def test_every_router_config_instantiates(name):
 
 
 def test_policy_zoo_is_complete():
-    assert {"static", "orca", "vllm_prefill_first", "sarathi", "priority", "lpm"} <= set(options("scheduler"))
+    assert {"static", "orca", "vllm_prefill_first", "vllm_v1", "sarathi", "priority",
+            "lpm"} <= set(options("scheduler"))
     assert {"lru", "lfu", "fifo", "cost_aware"} <= set(options("eviction"))
     assert {"round_robin", "random", "least_outstanding", "least_kv", "prefix_aware", "cost_based",
             "power_of_two"} <= set(options("router"))
@@ -68,7 +69,14 @@ def test_user_policy_outside_the_packages_is_selected_by_target(monkeypatch, ove
     assert type(sched).__module__ == "my_policies.shortest_prompt_first"
     # it runs in the simulator: with one seat, the short prompt queued behind a long one goes first
     reqs = [Request("first", 0.0, 8, 4), Request("long", 0.001, 200, 2), Request("short", 0.002, 10, 2)]
-    res, _ = simulate(reqs, lambda: sched, max_num_seqs=1, max_num_batched_tokens=512)
+    res, _ = run_requests(reqs, lambda: sched, max_num_seqs=1, max_num_batched_tokens=512)
     s = {x.id: x for x in res.states}
     assert all(x.status is Status.FINISHED for x in res.states)
     assert s["short"].first_scheduled_s < s["long"].first_scheduled_s
+
+
+def test_kv_prefix_cache_mode_reaches_every_pool():
+    cfg = composed("scheduler=vllm_v1", "kv.prefix_cache_mode=vllm", "replicas=2")
+    assert [r.kv.prefix_cache_mode for r in build_replicas(parsed(cfg, num_kv_blocks=64))] == ["vllm", "vllm"]
+    with pytest.raises(ValueError, match="kv.prefix_cache_mode='lru'; allowed"):
+        parsed(composed("kv.prefix_cache_mode=lru"))

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.kv_cache import KVCacheManager
+from core.kv_cache import PROMPT, VLLM, KVCacheManager
 from core.loop import ServingLoop
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, Status
@@ -19,6 +19,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
+from policies.schedulers.vllm_v1 import VLLMv1Scheduler
 from sim.clock import run_virtual
 from tests.helpers import FormulaExecutor, ListWorkload
 
@@ -32,7 +33,10 @@ SCHEDULERS = {
     "vllm_prefill_first": (VLLMPrefillFirstScheduler, False),
     "priority": (PriorityScheduler, True),
     "lpm": (lambda: LPMScheduler(fcfs_threshold=4), True),  # small threshold: both orders get exercised
+    "vllm_v1": (VLLMv1Scheduler, True),
+    "vllm_v1_threshold": (lambda: VLLMv1Scheduler(long_prefill_token_threshold=24), True),
 }
+KV_MODES = {"vllm_v1": VLLM}  # scheduler -> its pool's prefix-cache mode, where not the default (prompt)
 EVICTIONS = {"lru": LRUEviction, "lfu": LFUEviction, "fifo": FIFOEviction,
              "cost_aware": lambda: CostAwareEviction(a=1.0, b=0.01)}
 BLOCK = 8
@@ -64,7 +68,8 @@ def test_invariants_on_random_workloads(scheduler, eviction, spec, num_blocks, b
                     priority=prio, ttft_deadline_s=deadline)
             for i, (t, p, o, g, tenant, prio, deadline) in enumerate(spec)]
     limits = SchedulerLimits(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=4096)
-    rep = Replica(0, factory(), KVCacheManager(num_blocks, BLOCK, EVICTIONS[eviction]()), limits)
+    kv = KVCacheManager(num_blocks, BLOCK, EVICTIONS[eviction](), prefix_cache_mode=KV_MODES.get(scheduler, PROMPT))
+    rep = Replica(0, factory(), kv, limits)
     workload = CountingWorkload(reqs)
     res = run_virtual(ServingLoop([rep], [FormulaExecutor(lambda f: 0.002 + 1e-5 * f.num_batched_tokens)], None,
                                workload))  # one replica: the router is never asked

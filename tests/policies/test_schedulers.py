@@ -12,7 +12,7 @@ from policies.schedulers.priority import PriorityScheduler
 from policies.schedulers.sarathi import SarathiScheduler
 from policies.schedulers.static import StaticScheduler
 from policies.schedulers.vllm_prefill_first import VLLMPrefillFirstScheduler
-from tests.helpers import simulate
+from tests.helpers import run_requests
 
 STEP = 0.01  # every step takes 10 ms, so times count steps
 
@@ -24,20 +24,21 @@ def by_id(res):
 # ---- static ------------------------------------------------------------------------------------------------
 def test_static_admits_nobody_mid_batch():
     reqs = [Request("A", 0.0, 10, 5), Request("B", 0.0, 10, 20), Request("C", 0.005, 10, 2)]
-    res, _ = simulate(reqs, StaticScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64, max_num_seqs=4)
+    res, _ = run_requests(reqs, StaticScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64, max_num_seqs=4)
     s = by_id(res)
     # step 1 prefills A and B; B needs 19 more decode steps, so the batch ends at 0.20 although A left at 0.05
     assert s["A"].finish_s == pytest.approx(0.05) and s["B"].finish_s == pytest.approx(0.20)
     # C (arrived at 0.005, a seat free from 0.05) starts only with the next batch: prefill + 1 decode
     assert s["C"].first_scheduled_s == pytest.approx(0.20) and s["C"].finish_s == pytest.approx(0.22)
     # iteration-level Orca takes C at the first step boundary after its arrival
-    orca = by_id(simulate(reqs, OrcaScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64, max_num_seqs=4)[0])
+    orca = by_id(run_requests(reqs, OrcaScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64,
+                              max_num_seqs=4)[0])
     assert orca["C"].first_scheduled_s == pytest.approx(0.01)
 
 
 def test_static_prefills_an_oversized_batch_over_several_steps_in_lockstep():
     reqs = [Request(x, 0.0, 40, 3) for x in "ABC"]
-    res, _ = simulate(reqs, StaticScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64, max_num_seqs=4,
+    res, _ = run_requests(reqs, StaticScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64, max_num_seqs=4,
                       keep_batches=True)
     # 3 x 40 prompt tokens, 64 per step: one whole prompt per step, no decode until all three are prefilled
     shapes = [(b.features.num_prefill_tokens, b.features.num_decode_seqs) for b in res.batches]
@@ -57,7 +58,7 @@ def test_static_reserves_kv_for_the_whole_request():
 # ---- orca --------------------------------------------------------------------------------------------------
 def test_orca_never_splits_a_prompt_and_mixes_prefill_with_decode():
     reqs = [Request("A", 0.0, 8, 10), Request("B", 0.005, 30, 2), Request("C", 0.005, 30, 2)]
-    res, _ = simulate(reqs, OrcaScheduler, step_time=lambda f: STEP, max_num_batched_tokens=32, max_num_seqs=8,
+    res, _ = run_requests(reqs, OrcaScheduler, step_time=lambda f: STEP, max_num_batched_tokens=32, max_num_seqs=8,
                       keep_batches=True)
     # every chunk completes its sequence: prefills are whole prompts
     assert all(ch.samples for b in res.batches for ch in b.chunks)
@@ -65,7 +66,7 @@ def test_orca_never_splits_a_prompt_and_mixes_prefill_with_decode():
     assert [(ch.state.id, ch.num_tokens) for ch in res.batches[1].chunks] == [("A", 1), ("B", 30)]
     assert by_id(res)["C"].first_scheduled_s == pytest.approx(0.02)
     # Sarathi would have split C's prompt into the leftover budget
-    sar, _ = simulate(reqs, SarathiScheduler, step_time=lambda f: STEP, max_num_batched_tokens=32, max_num_seqs=8,
+    sar, _ = run_requests(reqs, SarathiScheduler, step_time=lambda f: STEP, max_num_batched_tokens=32, max_num_seqs=8,
                       keep_batches=True)
     assert not all(ch.samples for b in sar.batches for ch in b.chunks)
 
@@ -73,8 +74,8 @@ def test_orca_never_splits_a_prompt_and_mixes_prefill_with_decode():
 def test_orca_without_reservation_preempts_and_with_it_never_does():
     reqs = [Request(f"r{i}", 0.0, 8, 24) for i in range(4)]  # lifetime 31 tokens = 8 blocks of 4 each
     kwargs = dict(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
-    paged, _ = simulate(reqs, lambda: OrcaScheduler(reserve=False), **kwargs)
-    reserved, _ = simulate(reqs, OrcaScheduler, **kwargs)
+    paged, _ = run_requests(reqs, lambda: OrcaScheduler(reserve=False), **kwargs)
+    reserved, _ = run_requests(reqs, OrcaScheduler, **kwargs)
     assert sum(s.num_preemptions for s in paged.states) > 0
     assert sum(s.num_preemptions for s in reserved.states) == 0
     assert all(s.status is Status.FINISHED for s in paged.states + reserved.states)
@@ -83,7 +84,7 @@ def test_orca_without_reservation_preempts_and_with_it_never_does():
 # ---- vllm_prefill_first ------------------------------------------------------------------------------------
 def test_vllm_prefill_first_never_mixes_and_pauses_decodes_for_new_prompts():
     reqs = [Request("A", 0.0, 8, 6), Request("B", 0.0, 8, 6), Request("C", 0.015, 8, 3)]
-    res, _ = simulate(reqs, VLLMPrefillFirstScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64,
+    res, _ = run_requests(reqs, VLLMPrefillFirstScheduler, step_time=lambda f: STEP, max_num_batched_tokens=64,
                       max_num_seqs=8, keep_batches=True)
     for b in res.batches:
         assert b.features.num_decode_seqs in (0, len(b))
@@ -99,7 +100,7 @@ def test_priority_serves_priority_then_deadline_then_arrival():
             Request("late_deadline", 0.0, 8, 4, ttft_deadline_s=5.0),
             Request("no_deadline", 0.0, 8, 4),
             Request("early_deadline", 0.001, 8, 4, ttft_deadline_s=1.0)]
-    res, _ = simulate(reqs, PriorityScheduler, max_num_seqs=1)
+    res, _ = run_requests(reqs, PriorityScheduler, max_num_seqs=1)
     order = [s.id for s in sorted(res.states, key=lambda s: s.first_scheduled_s)]
     # all but early_deadline wait at t=0.01 (it arrives during the first step, which runs late_deadline)
     assert order == ["late_deadline", "early_deadline", "no_deadline", "low"]
@@ -110,16 +111,16 @@ def test_priority_preempts_the_least_important_not_the_newest():
     # cannot hold both lifetimes (4 + 15 tokens each), so a decode eventually finds no block.
     reqs = [Request("L", 0.0, 4, 16, priority=1), Request("H", 0.015, 4, 16, priority=0)]
     kwargs = dict(num_blocks=6, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
-    s = by_id(simulate(reqs, PriorityScheduler, **kwargs)[0])
+    s = by_id(run_requests(reqs, PriorityScheduler, **kwargs)[0])
     assert s["L"].num_preemptions >= 1 and s["H"].num_preemptions == 0
     assert s["H"].finish_s < s["L"].finish_s
-    fcfs = by_id(simulate(reqs, SarathiScheduler, **kwargs)[0])  # the default victim is the newest: H
+    fcfs = by_id(run_requests(reqs, SarathiScheduler, **kwargs)[0])  # the default victim is the newest: H
     assert fcfs["H"].num_preemptions >= 1 and fcfs["L"].num_preemptions == 0
 
 
 def test_priority_request_takes_the_seat_of_a_less_important_one():
     reqs = [Request("L", 0.0, 8, 50, priority=1), Request("H", 0.015, 8, 3, priority=0)]
-    s = by_id(simulate(reqs, PriorityScheduler, step_time=lambda f: STEP, max_num_seqs=1)[0])
+    s = by_id(run_requests(reqs, PriorityScheduler, step_time=lambda f: STEP, max_num_seqs=1)[0])
     # H arrives during step 2 and is admitted at t=0.02 by preempting L; prefill + 2 decodes
     assert s["H"].first_scheduled_s == pytest.approx(0.02) and s["H"].finish_s == pytest.approx(0.05)
     assert s["L"].num_preemptions == 1 and s["L"].status is Status.FINISHED
@@ -135,7 +136,7 @@ def lpm_requests():
 
 @pytest.mark.parametrize("threshold, expected", [(128, ["Z", "Y", "X"]), (0, ["X", "Y", "Z"])])
 def test_lpm_admits_longest_cached_prefix_first_unless_the_queue_is_long(threshold, expected):
-    res, _ = simulate(lpm_requests(), lambda: LPMScheduler(fcfs_threshold=threshold), max_num_seqs=1)
+    res, _ = run_requests(lpm_requests(), lambda: LPMScheduler(fcfs_threshold=threshold), max_num_seqs=1)
     s = by_id(res)
     later = sorted((s[x] for x in "XYZ"), key=lambda st: st.first_scheduled_s)
     assert [st.id for st in later] == expected
@@ -148,7 +149,7 @@ def test_lpm_admits_longest_cached_prefix_first_unless_the_queue_is_long(thresho
                                      lambda: StaticScheduler(reserve=False), VLLMPrefillFirstScheduler])
 def test_prompt_over_the_token_budget_is_rejected_and_the_rest_finish(factory):
     reqs = [Request("a", 0.0, 10, 5), Request("huge", 0.0, 100, 5), Request("b", 0.0, 10, 5)]
-    res, reps = simulate(reqs, factory, max_num_batched_tokens=64, max_num_seqs=4)
+    res, reps = run_requests(reqs, factory, max_num_batched_tokens=64, max_num_seqs=4)
     s = by_id(res)
     assert s["a"].status is Status.FINISHED and s["b"].status is Status.FINISHED
     assert s["huge"].status is Status.REJECTED and "could not schedule" in s["huge"].reason
