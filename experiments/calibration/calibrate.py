@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from core.batch import StepFeatures
 from core.checks import check_bool
 from experiments.calibration.grid import AUTO
-from experiments.calibration.profile import StepSource, read_profile, run_profile, run_steps
+from experiments.calibration.profiler import StepSource, read_profile, run_profile, run_steps
 from experiments.calibration.samples import DEFAULT_TOLERANCE, request_samples_from_run
 from experiments.cli import hydra_app
 from experiments.config import RunConfig

@@ -46,7 +46,7 @@ from core.output import has_table, read_metrics, read_step_features, read_timing
 from experiments.build import run_summary_options, step_noise
 from experiments.calibration.calibrate import calibrate, describe, group_of
 from experiments.calibration.interleave import run_interleaved
-from experiments.calibration.profile import run_profile
+from experiments.calibration.profiler import run_profile
 from experiments.cli import hydra_app
 from experiments.config import RunConfig
 from experiments.overrides import apply_overrides, with_backend, with_calibration

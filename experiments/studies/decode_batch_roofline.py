@@ -19,7 +19,7 @@ from core.batch import StepFeatures
 from experiments import plots
 from experiments.build import instantiate_group
 from experiments.calibration.grid import Shape
-from experiments.calibration.profile import profile
+from experiments.calibration.profiler import profile
 from experiments.config import RunConfig
 from experiments.studies.common import Report, backends, fmt, with_section
 from sim.cost.roofline import RooflineCostModel

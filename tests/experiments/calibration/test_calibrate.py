@@ -18,7 +18,7 @@ from core.batch import StepFeatures
 from experiments.build import CONF_DIR, build_executors, build_replicas
 from experiments.calibration.calibrate import calibrate
 from experiments.calibration.grid import Shape, config_grid, grid_plan, grid_shapes
-from experiments.calibration.profile import profile, read_profile
+from experiments.calibration.profiler import profile, read_profile
 from experiments.calibration.samples import request_samples_from_run
 from experiments.config import RunConfig
 from experiments.run import run
