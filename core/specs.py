@@ -34,11 +34,14 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
 
 
-def _required(hf: Mapping[str, Any], key: str, arch: str) -> Any:
-    """A config.json key the architecture cannot do without."""
-    if hf.get(key) is None:
-        raise ValueError(f"config.json: missing key {key!r} (required by architecture {arch!r})")
-    return hf[key]
+def _required(hf: Mapping[str, Any], key: str, arch: str, alias: str | None = None) -> Any:
+    """A config.json key the architecture cannot do without (or its ``alias``: transformers 5 writes some keys
+    under another name, e.g. Qwen3-MoE's num_experts as num_local_experts)."""
+    value = hf.get(key, hf.get(alias)) if alias else hf.get(key)
+    if value is None:
+        also = f" or {alias!r}" if alias else ""
+        raise ValueError(f"config.json: missing key {key!r}{also} (required by architecture {arch!r})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -240,12 +243,13 @@ class ModelSpec:
 def _moe_from_hf(hf: Mapping[str, Any], arch: str, num_layers: int) -> MoESpec | None:
     """The experts of a config.json, with each family's rule for which layers stay dense."""
     if arch == "mixtral":  # every layer; experts as wide as intermediate_size; top-k weights always renormalised
-        return MoESpec(num_experts=_required(hf, "num_local_experts", arch),
+        return MoESpec(num_experts=_required(hf, "num_local_experts", arch, "num_experts"),
                        top_k=_required(hf, "num_experts_per_tok", arch),
                        intermediate_size=_required(hf, "intermediate_size", arch))
     if arch == "qwen3_moe":  # layer i is MoE unless listed in mlp_only_layers or (i + 1) % decoder_sparse_step
         step, only = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
-        return MoESpec(num_experts=_required(hf, "num_experts", arch), top_k=_required(hf, "num_experts_per_tok", arch),
+        return MoESpec(num_experts=_required(hf, "num_experts", arch, "num_local_experts"),
+                       top_k=_required(hf, "num_experts_per_tok", arch),
                        intermediate_size=_required(hf, "moe_intermediate_size", arch),
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                        dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step))

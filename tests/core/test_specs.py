@@ -94,7 +94,8 @@ def test_bad_sections_name_the_key(edit, message):
 
 
 @pytest.mark.parametrize(("config", "key"), [
-    ("Mixtral-8x7B-v0.1", "num_local_experts"), ("Qwen3-30B-A3B-Instruct-2507", "moe_intermediate_size"),
+    ("Mixtral-8x7B-v0.1", "num_local_experts"), ("Qwen3-30B-A3B-Instruct-2507", "num_experts"),
+    ("Qwen3-30B-A3B-Instruct-2507", "moe_intermediate_size"),
     ("DeepSeek-V2-Lite", "kv_lora_rank"), ("Qwen3-32B", "vocab_size"),
 ])
 def test_missing_config_key_is_named(config, key):
@@ -102,3 +103,10 @@ def test_missing_config_key_is_named(config, key):
     del hf[key]
     with pytest.raises(ValueError, match=f"config.json: missing key '{key}' "):
         ModelSpec.from_hf_config(hf)
+
+
+def test_expert_count_under_transformers_5_name():
+    """transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)."""
+    hf = hf_config("Qwen3-30B-A3B-Instruct-2507")
+    hf["num_local_experts"] = hf.pop("num_experts")
+    assert ModelSpec.from_hf_config(hf).moe.num_experts == 128
