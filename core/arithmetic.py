@@ -127,6 +127,8 @@ def mlp_params_per_layer(m: ModelSpec, layer: int | None = None, active: bool = 
 
 def expert_params(m: ModelSpec) -> int:
     """One routed (or shared) expert's weights: 3·d·F_expert."""
+    if m.moe is None:
+        raise ValueError(f"model {m.name!r} has no experts (model.moe is null)")
     return _swiglu_params(m, m.moe.intermediate_size)
 
 

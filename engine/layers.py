@@ -12,6 +12,7 @@ from kernels.w4a16 import QuantizedWeight, quantize_w4
 
 
 def param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    """An uninitialised frozen parameter: the loader or init_random fills it."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 

@@ -107,6 +107,8 @@ def test_mixtral_by_hand():
     layer = attention + 8 * expert + 8 * d + 2 * d  # + router + two norms
     assert ar.moe_layers(MIXTRAL) == list(range(layers)) and ar.dense_layers(MIXTRAL) == []
     assert ar.expert_params(MIXTRAL) == expert and ar.router_params(MIXTRAL, 0) == 8 * d
+    with pytest.raises(ValueError, match="has no experts"):
+        ar.expert_params(LLAMA3_8B)
     assert ar.params_per_layer(MIXTRAL) == layer
     assert ar.total_params(MIXTRAL) == layers * layer + 2 * 32000 * d + d == 46_702_792_704
     assert ar.active_params(MIXTRAL) == ar.total_params(MIXTRAL) - layers * 6 * expert == 12_879_925_248
