@@ -13,6 +13,16 @@ dtype). So n quantised weights take n·b/8 + n·4/G bytes; relative to a 16-bit 
 W·[(1 − f) + f·b/16 + 2f/G]. 8-bit weights are a what-if format (the engine has no W8 path); they are counted with
 the same per-group scale + zero point, so the two quantised widths are comparable.
 
+Mixture of experts (``ModelSpec.moe``): an MoE layer stores every routed expert, a token multiplies only its top_k
+(plus the shared experts): ``total_params`` counts all of them, ``active_params`` and the FLOPs the top_k. The router
+(a [experts, hidden] matrix per MoE layer) is computed by every token but stays in the model dtype when the
+experts are quantised, as AWQ/GPTQ checkpoints and vLLM keep it. Layers a model keeps dense
+(``MoESpec.dense_layers``) have the dense MLP; ``moe_layers`` / ``dense_layers`` list them for a cost model.
+
+Multi-head latent attention (``ModelSpec.mla``, DeepSeek-V2/V3) caches one latent of kv_lora_rank plus one RoPE key
+of qk_rope_head_dim per token and layer, shared by all heads: L·(r_kv + Drope) elements per token (DeepSeek-V2-Lite
+in bf16: 27·(512 + 64)·2 = 31,104 B), and every tensor-parallel device stores all of it (it has no head axis).
+
 KV: K and V of every layer and KV head per token. An int8 KV cache also stores one float32 scale per (token,
 KV head) for K and one for V (engine/attention.py, kernels/kv_store.py), so per token it takes
 2·L·Hkv·(Dh + 4) bytes, not 2·L·Hkv·Dh: at head_dim 128 int8 holds 2·128/(128 + 4) = 1.94x the tokens of 16-bit KV,
@@ -24,6 +34,7 @@ numpy-free and torch-free: plain Python arithmetic on a ModelSpec.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from core.checks import check_choice, check_int
 from core.specs import KV_BITS, WEIGHT_BITS, ModelSpec
@@ -52,28 +63,97 @@ def act_bytes(m: ModelSpec) -> int:
     return DTYPE_BYTES[m.dtype]
 
 
+# ---- layer kinds --------------------------------------------------------------------------------------------------
+
+def is_moe_layer(m: ModelSpec, layer: int) -> bool:
+    """Whether decoder layer ``layer`` routes to experts (else it has the dense MLP)."""
+    return m.moe is not None and layer not in m.moe.dense_layers
+
+
+def moe_layers(m: ModelSpec) -> list[int]:
+    return [i for i in range(m.num_layers) if is_moe_layer(m, i)]
+
+
+def dense_layers(m: ModelSpec) -> list[int]:
+    return [i for i in range(m.num_layers) if not is_moe_layer(m, i)]
+
+
+def _layer(m: ModelSpec, layer: int | None) -> int:
+    """``layer``, or for None a layer of a model whose layers are all alike (all dense or all MoE)."""
+    if layer is not None:
+        return layer
+    if 0 < len(moe_layers(m)) < m.num_layers:
+        raise ValueError(f"model {m.name!r} has dense and MoE layers: pass the layer index")
+    return 0
+
+
 # ---- parameter counts ----------------------------------------------------------------------------------------------
 
 def attention_params_per_layer(m: ModelSpec) -> int:
-    """q, k, v, o weight matrices: d·(H·Dh) + 2·d·(Hkv·Dh) + (H·Dh)·d."""
-    d, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    return d * q + 2 * d * kv + q * d
+    """Attention weight matrices. GQA: q, k, v, o: d·(H·Dh) + 2·d·(Hkv·Dh) + (H·Dh)·d. MLA: q (d -> H·Dqk, or
+    through the q_lora_rank bottleneck r_q: d·r_q + r_q·H·Dqk), the latent and RoPE key (d -> r_kv + Drope), the
+    latent's up-projection to each head's key and value (r_kv -> H·(Dnope + Dv)) and o (H·Dv -> d)."""
+    d, h = m.hidden_size, m.num_heads
+    if m.mla is None:
+        q, kv = h * m.head_dim, m.num_kv_heads * m.head_dim
+        return d * q + 2 * d * kv + q * d
+    a = m.mla
+    q_out = h * a.qk_head_dim
+    q = d * q_out if a.q_lora_rank is None else d * a.q_lora_rank + a.q_lora_rank * q_out
+    return q + d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim) \
+        + h * a.v_head_dim * d
 
 
-def mlp_params_per_layer(m: ModelSpec) -> int:
-    """Gated MLP (gate, up, down): 3·d·F."""
-    return 3 * m.hidden_size * m.intermediate_size
+def ffn_width(m: ModelSpec, layer: int | None = None, active: bool = False) -> int:
+    """The summed intermediate width of a layer's SwiGLU FFNs: the dense MLP's, or an MoE layer's routed experts
+    (all of them; the top_k one token runs with ``active``) and shared experts."""
+    if not is_moe_layer(m, _layer(m, layer)):
+        return m.intermediate_size
+    routed = m.moe.top_k if active else m.moe.num_experts
+    return (routed + m.moe.num_shared_experts) * m.moe.intermediate_size
 
 
-def linear_params_per_layer(m: ModelSpec) -> int:
-    """Weight matrices of one decoder layer: what weight-only quantisation compresses."""
-    return attention_params_per_layer(m) + mlp_params_per_layer(m)
+def _swiglu_params(m: ModelSpec, width: int) -> int:
+    """gate, up, down of a SwiGLU FFN of intermediate width ``width``: 3·d·width."""
+    return 3 * m.hidden_size * width
 
 
-def params_per_layer(m: ModelSpec) -> int:
-    """Linear weights + q/k/v biases (Qwen2) + the two RMSNorm weights."""
+def mlp_params_per_layer(m: ModelSpec, layer: int | None = None, active: bool = False) -> int:
+    """Gated MLP (gate, up, down): 3·d·F over the layer's FFN width (``ffn_width``)."""
+    return _swiglu_params(m, ffn_width(m, layer, active))
+
+
+def expert_params(m: ModelSpec) -> int:
+    """One routed (or shared) expert's weights: 3·d·F_expert."""
+    if m.moe is None:
+        raise ValueError(f"model {m.name!r} has no experts (model.moe is null)")
+    return _swiglu_params(m, m.moe.intermediate_size)
+
+
+def router_params(m: ModelSpec, layer: int | None = None) -> int:
+    """The router of an MoE layer (experts x d; 0 for a dense layer)."""
+    return m.moe.num_experts * m.hidden_size if is_moe_layer(m, _layer(m, layer)) else 0
+
+
+def linear_params_per_layer(m: ModelSpec, layer: int | None = None, active: bool = False) -> int:
+    """Weight matrices of one decoder layer: what weight-only quantisation compresses (the router excluded);
+    ``active``: those one token multiplies (its top_k routed experts)."""
+    return attention_params_per_layer(m) + mlp_params_per_layer(m, layer, active)
+
+
+def _attention_extra_params(m: ModelSpec) -> int:
+    """Attention parameters besides the weight matrices: q/k/v biases (Qwen2), the q and k RMSNorm weights
+    (Qwen3: one head_dim vector each), MLA's RMSNorms of its latents (r_kv, and r_q when q has a bottleneck)."""
+    if m.mla is not None:
+        return m.mla.kv_lora_rank + (m.mla.q_lora_rank or 0)
     bias = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim if m.attention_bias else 0
-    return linear_params_per_layer(m) + bias + 2 * m.hidden_size
+    return bias + (2 * m.head_dim if m.qk_norm else 0)
+
+
+def params_per_layer(m: ModelSpec, layer: int | None = None) -> int:
+    """Linear weights + router + attention biases and norms + the two RMSNorm weights."""
+    return (linear_params_per_layer(m, layer) + router_params(m, layer) + _attention_extra_params(m)
+            + 2 * m.hidden_size)
 
 
 def embedding_params(m: ModelSpec) -> int:
@@ -83,11 +163,20 @@ def embedding_params(m: ModelSpec) -> int:
 def total_params(m: ModelSpec) -> int:
     """Layers + embeddings + untied LM head + final norm."""
     head = 0 if m.tie_word_embeddings else embedding_params(m)
-    return m.num_layers * params_per_layer(m) + embedding_params(m) + head + m.hidden_size
+    return sum(params_per_layer(m, i) for i in range(m.num_layers)) + embedding_params(m) + head + m.hidden_size
+
+
+def active_params(m: ModelSpec) -> int:
+    """Parameters one token uses: all but the routed experts it skips (num_experts - top_k per MoE layer).
+    Embeddings and the LM head count, as in Mixtral's and Qwen3-MoE's published active counts (DeepSeek's leave out
+    the embedding table)."""
+    unused = sum(linear_params_per_layer(m, i) - linear_params_per_layer(m, i, active=True)
+                 for i in moe_layers(m))
+    return total_params(m) - unused
 
 
 def quantised_params(m: ModelSpec) -> int:
-    return m.num_layers * linear_params_per_layer(m)
+    return sum(linear_params_per_layer(m, i) for i in range(m.num_layers))
 
 
 # ---- weight bytes --------------------------------------------------------------------------------------------------
@@ -110,15 +199,25 @@ def weight_bytes(m: ModelSpec, weight_bits: int = 16, group_size: int = 128) -> 
 
 # ---- KV bytes and capacity -----------------------------------------------------------------------------------------
 
+def _kv_vectors(m: ModelSpec) -> tuple[int, int]:
+    """(vectors, elements per vector) cached per token and layer: K and V of each KV head (2·Hkv of Dh), or MLA's
+    latent with its RoPE key (1 of r_kv + Drope)."""
+    if m.mla is not None:
+        return 1, m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+    return 2 * m.num_kv_heads, m.head_dim
+
+
 def kv_bytes_per_token(m: ModelSpec, kv_bits: int = 16) -> float:
-    """K and V of every layer, int8 scales included: 2·L·Hkv·Dh·(model dtype bytes) for 16-bit KV,
-    2·L·Hkv·(Dh + 4) for int8 KV (one float32 scale per token and KV head, for K and for V)."""
+    """Every layer's cached vectors, int8 scales included: 2·L·Hkv·Dh·(model dtype bytes) for 16-bit KV,
+    2·L·Hkv·(Dh + 4) for int8 KV (one float32 scale per token and KV head, for K and for V); MLA:
+    L·(r_kv + Drope) elements (+ one scale per token and layer in int8)."""
     check_quant(16, kv_bits, 1)
+    vectors, width = _kv_vectors(m)
     if kv_bits == 16:
-        per_head = m.head_dim * act_bytes(m)
+        per_vector = width * act_bytes(m)
     else:
-        per_head = m.head_dim * kv_bits // 8 + KV_INT8_SCALE_BYTES
-    return float(2 * m.num_layers * m.num_kv_heads * per_head)
+        per_vector = width * kv_bits // 8 + KV_INT8_SCALE_BYTES
+    return float(m.num_layers * vectors * per_vector)
 
 
 def kv_bytes_per_block(m: ModelSpec, block_size: int, kv_bits: int = 16) -> float:
@@ -149,7 +248,11 @@ def kv_heads_per_device(m: ModelSpec, tp: int) -> int:
 
 
 def kv_bytes_per_token_per_device(m: ModelSpec, kv_bits: int = 16, tp: int = 1) -> float:
-    """``kv_bytes_per_token`` for the KV heads one tensor-parallel device stores."""
+    """``kv_bytes_per_token`` for the KV heads one tensor-parallel device stores (all of MLA's latent: it has no
+    head axis to split, so every device keeps it whole, as vLLM does)."""
+    if m.mla is not None:
+        kv_heads_per_device(m, tp)  # validates tp
+        return kv_bytes_per_token(m, kv_bits)
     return kv_bytes_per_token(m, kv_bits) * kv_heads_per_device(m, tp) / m.num_kv_heads
 
 
@@ -167,8 +270,9 @@ def max_concurrent_seqs(m: ModelSpec, kv_budget_bytes: float, context: int, kv_b
 # ---- FLOPs ---------------------------------------------------------------------------------------------------------
 
 def linear_flops_per_token(m: ModelSpec) -> float:
-    """2 FLOPs (multiply + add) per linear weight, all layers; excludes the LM head."""
-    return 2.0 * quantised_params(m)
+    """2 FLOPs (multiply + add) per weight a token multiplies, all layers: attention, dense MLPs, and in MoE layers
+    the router, the top_k routed and the shared experts; excludes the LM head."""
+    return 2.0 * sum(linear_params_per_layer(m, i, active=True) + router_params(m, i) for i in range(m.num_layers))
 
 
 def lm_head_flops_per_token(m: ModelSpec) -> float:
@@ -176,9 +280,17 @@ def lm_head_flops_per_token(m: ModelSpec) -> float:
     return 2.0 * m.vocab_size * m.hidden_size
 
 
+def _attention_head_dims(m: ModelSpec) -> tuple[int, int]:
+    """(query/key, value) head sizes: Dh and Dh, or MLA's qk_nope + qk_rope and v_head_dim."""
+    return (m.head_dim, m.head_dim) if m.mla is None else (m.mla.qk_head_dim, m.mla.v_head_dim)
+
+
 def attention_flops_per_pair(m: ModelSpec) -> float:
-    """Per (query, key) pair summed over layers: 4·H·Dh per layer (QK^T and PV, 2 FLOPs per MAC each)."""
-    return 4.0 * m.num_heads * m.head_dim * m.num_layers
+    """Per (query, key) pair summed over layers: 2·H·(Dqk + Dv) per layer (QK^T and PV, 2 FLOPs per MAC each;
+    4·H·Dh for GQA). MLA counts its heads' own dimensions, as when keys and values are up-projected from the
+    latent (an engine that absorbs the up-projections into q and o attends over the latent instead)."""
+    qk, v = _attention_head_dims(m)
+    return 2.0 * m.num_heads * (qk + v) * m.num_layers
 
 
 def flops_per_token(m: ModelSpec, context: int = 0, sampled: bool = True) -> float:
@@ -187,12 +299,28 @@ def flops_per_token(m: ModelSpec, context: int = 0, sampled: bool = True) -> flo
     return linear_flops_per_token(m) + head + attention_flops_per_pair(m) * context
 
 
+def _rotated_width(m: ModelSpec) -> int:
+    """Elements of one token's q and k that RoPE rotates: every q and KV head, or MLA's RoPE parts (H query heads
+    and the one shared key)."""
+    if m.mla is None:
+        return (m.num_heads + m.num_kv_heads) * m.head_dim
+    return (m.num_heads + 1) * m.mla.qk_rope_head_dim
+
+
+def _elementwise_elements(m: ModelSpec, layer: int, tp: int) -> float:
+    """elementwise_bytes_per_token's elements of one layer."""
+    qk = 2 * _rotated_width(m) * (2 if m.qk_norm else 1)
+    return 10 * m.hidden_size + (3 * ffn_width(m, layer, active=True) + qk) / tp
+
+
 def elementwise_bytes_per_token(m: ModelSpec, tp: int = 1) -> float:
     """Activation traffic of the memory-bound ops per token per device, all layers.
 
     Per layer: two RMSNorms (read + write d each: 4d), two residual adds (read 2d, write d each: 6d), replicated
-    on every tensor-parallel device; SwiGLU activation (read 2F, write F) and RoPE on q and k (read + write), split
-    across devices.
+    on every tensor-parallel device; the SwiGLU activation of the FFNs a token runs (read 2F, write F; F of its
+    top_k and shared experts in MoE layers) and RoPE on q and k (read + write; Qwen3's q/k norms read and write the
+    same elements again), split across devices.
     """
-    per_layer = 10 * m.hidden_size + (3 * m.intermediate_size + 2 * (m.num_heads + m.num_kv_heads) * m.head_dim) / tp
-    return float(act_bytes(m) * m.num_layers * per_layer)
+    # layers of one kind are summed as count x bytes: a dense model's figure stays bit-identical to L x its layer's
+    kinds = Counter(_elementwise_elements(m, i, tp) for i in range(m.num_layers))
+    return float(sum(act_bytes(m) * n * elements for elements, n in kinds.items()))

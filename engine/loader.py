@@ -1,12 +1,18 @@
 """Weights: load a Hugging Face checkpoint directory through safetensors only, or initialise from a seed.
 
 Hugging Face names map onto ours one to one, except q/k/v_proj (stacked into ``qkv_proj``) and gate/up_proj
-(stacked into ``gate_up_proj``). Pickle checkpoints (*.bin, *.pt) are refused: nothing is ever unpickled.
+(stacked into ``gate_up_proj``). MoE experts (engine.moe) load from transformers' fused tensors
+(``mlp.experts.gate_up_proj`` [E, 2F, d], ``mlp.experts.down_proj`` [E, d, F], as ``save_pretrained(...,
+save_original_format=False)`` writes them) or from one tensor per expert as hub checkpoints and transformers' default
+``save_pretrained`` keep them: Qwen3-MoE's ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral's
+``block_sparse_moe.experts.{e}.w{1,3,2}.weight`` (and ``block_sparse_moe.gate.weight``, its router). Pickle
+checkpoints (*.bin, *.pt) are refused: nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +26,9 @@ QUANT_MODES = ("none", "w4a16")
 INDEX_FILE = "model.safetensors.index.json"
 RANDOM_INIT_STD = 0.02  # HF's default initializer_range
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# per-expert checkpoint tensors of each stacked expert weight: Qwen3-MoE's names, Mixtral's
+_EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+_MIXTRAL_BLOCK = (".mlp.", ".block_sparse_moe.")  # Mixtral checkpoints name the MoE block block_sparse_moe
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 _MAX_NAMES = 8  # names listed in an error message
 
@@ -44,25 +53,41 @@ def _safetensors_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weights in {path}")
 
 
-def _targets(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
-    """HF tensor name -> (our parameter, first row it fills, expected HF shape)."""
-    out = {}
-    for name, param in model.named_parameters():
-        fused = next((f for f in _FUSED if f".{f}." in name), None)
-        if fused is None:
-            out[name] = (param, 0, tuple(param.shape))
-            continue
-        parts = _FUSED[fused]
-        spec = model.spec
-        if fused == "qkv_proj":
-            rows = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
-        else:
-            rows = [spec.intermediate_size] * 2
-        offset = 0
-        for part, n in zip(parts, rows, strict=True):
-            out[name.replace(fused, part)] = (param, offset, (n, *param.shape[1:]))
-            offset += n
-    return out
+# One way a checkpoint can give a parameter: HF tensor name -> (index into the parameter, the tensor's shape).
+Layout = dict[str, tuple[tuple, tuple[int, ...]]]
+
+
+def _row_blocks(names: Sequence[str], sizes: Sequence[int], rest: tuple[int, ...], lead: tuple = ()) -> Layout:
+    """Tensors ``names`` filling consecutive blocks of ``sizes`` rows of param[lead] (rows of shape ``rest``)."""
+    layout, row = {}, 0
+    for name, n in zip(names, sizes, strict=True):
+        layout[name] = ((*lead, slice(row, row + n)), (n, *rest))
+        row += n
+    return layout
+
+
+def _layouts(name: str, param: torch.Tensor, spec: ModelSpec) -> list[Layout]:
+    """The checkpoint layouts that fill our parameter ``name``; a checkpoint must give exactly one of them, whole."""
+    shape = tuple(param.shape)
+    whole = {name: ((), shape)}
+    base, kind = name.rsplit(".", 1)
+    if base.endswith(".experts"):  # stacked [E, out, in]: fused, or per expert under either family's names
+        layouts = [whole]
+        for prefix, parts in zip((base, base.replace(*_MIXTRAL_BLOCK)), _EXPERT_PARTS[kind], strict=True):
+            rows = [shape[1] // len(parts)] * len(parts)
+            layouts.append({k: v for e in range(shape[0]) for k, v in _row_blocks(
+                [f"{prefix}.{e}.{part}.weight" for part in parts], rows, shape[2:], (e,)).items()})
+        return layouts
+    if name.endswith(".mlp.gate.weight"):  # an MoE router
+        return [whole, {name.replace(*_MIXTRAL_BLOCK): ((), shape)}]
+    fused = next((f for f in _FUSED if f".{f}." in name), None)
+    if fused is None:
+        return [whole]
+    if fused == "qkv_proj":
+        sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+    else:
+        sizes = [spec.intermediate_size] * 2
+    return [_row_blocks([name.replace(fused, part) for part in _FUSED[fused]], sizes, shape[1:])]
 
 
 def _names(names) -> str:
@@ -72,9 +97,13 @@ def _names(names) -> str:
 
 
 def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
-    """Fill ``model`` from the safetensors files in ``path``; every parameter exactly once, shapes checked."""
+    """Fill ``model`` from the safetensors files in ``path``; every parameter exactly once (from one of its
+    layouts), shapes checked."""
     path = Path(path)
-    targets = _targets(model)
+    params = dict(model.named_parameters())
+    layouts = {name: _layouts(name, p, model.spec) for name, p in params.items()}
+    targets = {key: (name, *target) for name, options in layouts.items() for layout in options
+               for key, target in layout.items()}
     seen, unexpected = set(), []
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -84,17 +113,22 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
                     if not tied_head and not key.endswith(_IGNORED_SUFFIXES):
                         unexpected.append(key)
                     continue
-                param, row, shape = targets[key]
+                name, index, shape = targets[key]
                 tensor = f.get_slice(key)
                 got = tuple(tensor.get_shape())
                 if got != shape:
                     raise ValueError(f"{file.name}: tensor {key!r} has shape {list(got)}, model expects {list(shape)}")
-                param.data[row:row + shape[0]].copy_(tensor[:])
+                params[name].data[index].copy_(tensor[:])
                 seen.add(key)
     if unexpected:
         raise ValueError(f"{path}: unexpected tensors not used by the {model.spec.architecture} model: "
                          f"{_names(unexpected)}")
-    missing = set(targets) - seen
+    missing = []
+    for name, options in layouts.items():
+        given = [layout for layout in options if any(key in seen for key in layout)]
+        if len(given) > 1:
+            raise ValueError(f"{path}: {name} is given twice, as {_names(given[0])} and as {_names(given[1])}")
+        missing += [key for key in (given or options)[0] if key not in seen]
     if missing:
         raise ValueError(f"{path}: missing tensors {_names(missing)}")
 

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over one flattened varlen batch and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, Qwen3, and the mixtures of experts Mixtral and Qwen3-MoE) over
+one flattened varlen batch and a paged KV cache.
 
 Parameter names follow Hugging Face's except for the fused projections: ``self_attn.qkv_proj`` holds q, k, v
-stacked along the output dim and ``mlp.gate_up_proj`` holds gate then up (the loader concatenates). Every op goes
-through a ``kernels.ops.KernelSet`` passed to ``forward``, so the torch / Triton switch is one name and one model
-can be shared by executors using either backend.
+stacked along the output dim and ``mlp.gate_up_proj`` holds gate then up (the loader concatenates); MoE layers'
+experts are stacked (engine.moe). Every op goes through a ``kernels.ops.KernelSet`` passed to ``forward``, so the
+torch / Triton switch is one name and one model can be shared by executors using either backend. Multi-head latent
+attention (DeepSeek-V2/V3) is not here: the constructor refuses it (the simulator prices those models).
 """
 
 from __future__ import annotations
@@ -12,64 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.arithmetic import is_moe_layer
 from core.checks import check_choice
 from core.specs import ModelSpec
 from engine.attention import AttentionMetadata, KVCache, paged_attention
+from engine.layers import Linear, RMSNorm, param
+from engine.moe import Experts, SparseMoE
 from kernels.cpu_gemm import CpuLinear
 from kernels.greedy_screen import GreedyScreen
 from kernels.ops import CPU_GEMMS, KernelSet
 from kernels.rope import rope_cos_sin
-from kernels.w4a16 import QuantizedWeight, quantize_w4
 
 # Tokens per pass through a layer's token-wise ops on CPU: a long prefill's intermediates (the MLP's
 # [T, 2 * intermediate] above all) then stay in cache; ~1/3 off those ops for a 2k-token prefill. GPUs take all rows.
 CPU_ROW_CHUNK = 512
-
-
-def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _linear_weight(out_features: int, in_features: int, dtype: torch.dtype, device) -> nn.Parameter:
-    """[out, in] like nn.Linear's. On CPU its memory is [in, out] (a transposed view): MKL's small-batch GEMM
-    (decode) runs ~20% faster on that layout with bit-identical results; prefill-sized GEMMs are unaffected."""
-    if torch.device(device).type != "cpu":
-        return _param(out_features, in_features, dtype=dtype, device=device)
-    return nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device).t(), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b). ``quantize`` swaps W for a 4-bit QuantizedWeight; forward then runs the W4A16 kernel."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
-        super().__init__()
-        self.weight: nn.Parameter | None = _linear_weight(out_features, in_features, dtype, device)
-        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.qweight: QuantizedWeight | None = None
-        self.matmul = CpuLinear()
-
-    def quantize(self, group_size: int, zero_point: bool = True) -> None:
-        self.qweight = quantize_w4(self.weight.data, group_size, zero_point)
-        self.weight = None  # free the 16-bit copy
-        self.matmul = CpuLinear()  # and any packed copy of it
-
-    def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
-        if self.qweight is not None:
-            return kernels.w4a16_linear(x, self.qweight, self.bias)
-        return self.matmul(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype, device=device)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: KernelSet):
-        """Returns (norm(x + residual), x + residual); the first layer has no residual yet."""
-        if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps), x
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -81,11 +39,19 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, spec.attention_bias, dtype, device)
         self.o_proj = Linear(q_size, spec.hidden_size, False, dtype, device)
         self.scale = spec.head_dim ** -0.5
+        # Qwen3: one RMSNorm weight [head_dim] for every q head, one for every k head
+        self.q_norm, self.k_norm = ((RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device),
+                                     RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device))
+                                    if spec.qk_norm else (None, None))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kernels: KernelSet):
-        """x [T, hidden] -> q [T, H, D] and k [T, Hkv, D] rotated, v [T, Hkv, D] (token-wise)."""
+        """x [T, hidden] -> q [T, H, D] and k [T, Hkv, D] (per-head normed when the model has q/k norms) rotated,
+        v [T, Hkv, D] (token-wise)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x, kernels).split(self.split, dim=-1)
+        if self.q_norm is not None:  # over each head's D values: rows of [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim), None, kernels)[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim), None, kernels)[0]
         q, k = kernels.rope(q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
                             positions, cos_sin)
         return q, k, v.view(T, self.num_kv_heads, self.head_dim)
@@ -116,12 +82,12 @@ def _by_rows(fn, chunk: int | None, *xs):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.self_attn = Attention(spec, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+        self.mlp = SparseMoE(spec, dtype, device) if is_moe_layer(spec, layer) else MLP(spec, dtype, device)
 
     def forward(self, h, residual, positions, meta, cache, cos_sin, kernels, row_chunk: int | None = None):
         """Everything but attention itself is token-wise, so it may run ``row_chunk`` tokens at a time."""
@@ -141,8 +107,8 @@ class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.embed_tokens.weight = param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
 
@@ -151,6 +117,12 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
         super().__init__()
+        if spec.mla is not None:
+            raise ValueError(f"model.architecture={spec.architecture!r}: multi-head latent attention is not in the "
+                             "engine; the simulator (backend=sim) runs this model")
+        if spec.moe is not None and spec.moe.num_shared_experts:
+            raise ValueError(f"model.moe.num_shared_experts={spec.moe.num_shared_experts}: shared experts are not in "
+                             "the engine; the simulator (backend=sim) runs this model")
         self.spec = spec
         self.dtype = dtype or getattr(torch, spec.dtype)
         self.model = Backbone(spec, self.dtype, device)
@@ -207,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.matmul.native_only != (choice == "native"):
                 module.matmul = CpuLinear(choice == "native")
+            elif isinstance(module, Experts):
+                module.use_cpu_gemm(choice == "native")
         if self.logits_matmul.native_only != (choice == "native"):
             self.logits_matmul = CpuLinear(choice == "native")
 
@@ -215,12 +189,16 @@ class LlamaForCausalLM(nn.Module):
         for module in self.model.layers.modules():
             if isinstance(module, Linear) and module.weight is not None:
                 module.matmul.prepack(module.weight)
+            elif isinstance(module, Experts):
+                module.prepack()
         self.logits_matmul.prepack(self.logits_weight)
         if self.greedy_screen is not None:
             self.greedy_screen.prepack(self.logits_weight)
 
     def quantize(self, group_size: int = 128, zero_point: bool = True) -> None:
         """W4A16: replace every projection in the decoder layers by a group-wise 4-bit weight."""
+        if self.spec.moe is not None:
+            raise ValueError("quant=w4a16 does not cover MoE experts: run mixture-of-experts models unquantised")
         for module in self.model.layers.modules():
             if isinstance(module, Linear):
                 module.quantize(group_size, zero_point)

@@ -82,12 +82,13 @@ class ModelRunner:
 
     @property
     def can_capture_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self._plan_attention
+        # an MoE layer sizes its expert GEMMs from the step's routing on the host: no fixed graph to replay
+        return self.device.type == "cuda" and not self._plan_attention and self.spec.moe is None
 
     def capture_graphs(self, max_batch: int = BATCH_BUCKETS[-1]) -> None:
         """Capture the decode-only forward pass per batch-size bucket (engine.cuda_graphs); CUDA + Triton only."""
         if not self.can_capture_graphs:
-            raise ValueError("CUDA graphs need a CUDA device and the triton kernels")
+            raise ValueError("CUDA graphs need a CUDA device, the triton kernels and a dense (not MoE) model")
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kernels, self.block_size, max_batch)
         self.graphs.capture()
 

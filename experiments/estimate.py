@@ -53,7 +53,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
 
     The quantised speed-up is the estimated 16-bit decode step time over the quantised one at the same batch.
     Bytes count what the engine stores (``core.arithmetic``): a scale and a zero point per quantised weight group,
-    and int8 KV's float32 scales, so ``kv_capacity_gain`` of int8 KV is 2·Dh / (Dh + 4), not 2.
+    and int8 KV's float32 scales, so ``kv_capacity_gain`` of int8 KV is 2·Dh / (Dh + 4), not 2. ``active_params``:
+    the parameters one token uses (a mixture of experts' top_k routed experts, not all of them).
     """
     if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ValueError(f"estimate.batch_sizes={batch_sizes!r}; allowed: a non-empty list of integers >= 1")
@@ -86,7 +87,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
         decode.append(row)
     return {
         "model": m.name, "hardware": hw.name, "per_device": True, **est.params(),
-        "params": ar.total_params(m), "weight_bytes": weights, "weight_bytes_per_device": weights / tp,
+        "params": ar.total_params(m), "active_params": ar.active_params(m),
+        "weight_bytes": weights, "weight_bytes_per_device": weights / tp,
         "weight_bytes_16bit": ar.weight_bytes(m, 16, group_size),
         "kv_bytes_per_token": ar.kv_bytes_per_token(m, kv_bits),
         "kv_bytes_per_token_per_device": est.kv_bytes_per_token,
@@ -110,7 +112,9 @@ def format_table(r: dict[str, Any]) -> str:
         f"{r['model']} on {r['hardware']}: tp={r['tp']}, weights {r['weight_bits']}-bit"
         + (f" (group {r['group_size']})" if quant else "") + f", KV {r['kv_bits']}-bit; numbers per device;"
         f" est = compute_eff {r['compute_eff']}, bw_eff {r['bw_eff']}, overhead {r['overhead_s'] * 1e3:.3g} ms",
-        f"params {_si(r['params'], '')} | weights {_si(r['weight_bytes'], 'B')}"
+        f"params {_si(r['params'], '')}"
+        + (f" ({_si(r['active_params'], '')} active per token)" if r["active_params"] != r["params"] else "")
+        + f" | weights {_si(r['weight_bytes'], 'B')}"
         + (f" (16-bit: {_si(r['weight_bytes_16bit'], 'B')})" if quant else "")
         + (f", {_si(r['weight_bytes_per_device'], 'B')} per device" if r["tp"] > 1 else "")
         + f" | KV/token {_si(r['kv_bytes_per_token'], 'B')}"

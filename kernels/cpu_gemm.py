@@ -6,7 +6,7 @@ decode step of the 44M Llama:
 - NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows: the native kernel, over a panel-packed copy of the weight (on huge pages)
   with software prefetch (oneDNN's packed GEMM leaves the weight stream short of bandwidth at these sizes): decode
   steps take 12-16% less time at batch 8 and 32 than on oneDNN.
-- 1 row on the 256-bit build: MKL's GEMV on the transposed [in, out] layout (engine.model._linear_weight).
+- 1 row on the 256-bit build: MKL's GEMV on the transposed [in, out] layout (engine.layers.linear_weight).
 - more rows (long prefills): oneDNN's packed GEMM, compute-bound, 1.1-1.3x the native kernel at 192-512 rows.
 Where the native library is missing (kernels.cpu_native: no compiler, not x86) or ``TWINSERVE_NATIVE_GEMM=0`` is
 set (to measure what the kernel brings), oneDNN takes those rows instead.

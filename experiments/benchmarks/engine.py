@@ -118,8 +118,9 @@ def _step_floor(roofline: RooflineCostModel, features, screen: bool) -> float:
 
 
 def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[int], batch: int,
-                roofline: RooflineCostModel, kernels: str = "auto", screen: bool = True) -> dict:
-    """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares."""
+                roofline: RooflineCostModel | None, kernels: str = "auto", screen: bool = True) -> dict:
+    """Serve the prompts through the shared driver on a fresh replica and KV cache; throughput and step shares
+    (and with ``roofline`` the steps' roofline floor)."""
     longest = max(len(p) for p in prompts) + max(outputs)
     kv = KVCacheManager(batch * (-(-longest // 16)) + 64, 16, LRUEviction(), False)
     replica = Replica(0, SarathiScheduler(), kv, SchedulerLimits(4096, batch, spec.max_model_len))
@@ -139,7 +140,7 @@ def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[
     engine_tok = sum(s.num_output_tokens for s in res.states)
     full = [s for s in res.steps if s.features.num_decode_seqs == batch and s.features.num_prefill_tokens == 0]
     prefill = [s for s in res.steps if s.features.num_decode_seqs == 0]
-    return {
+    out = {
         "engine_tok_s": engine_tok / res.wall_s,
         "engine_tok_per_cpu_s": engine_tok / cpu_s,
         "python_overhead_share": (t_sched.total + t_apply.total + t_prep.total) / res.wall_s,
@@ -152,10 +153,12 @@ def _engine_run(spec: ModelSpec, model, prompts: list[list[int]], outputs: list[
         "decode_step_ms": 1e3 * statistics.median(s.duration_s for s in full) if full else float("nan"),
         "prefill_ms": 1e3 * sum(s.duration_s for s in prefill),
         "engine_steps": len(res.steps),
-        "roofline_tok_s": engine_tok / sum(_step_floor(roofline, s.features, screen) for s in res.steps),
-        "decode_floor_ms": 1e3 * statistics.median(_step_floor(roofline, s.features, screen) for s in full) if full
-        else float("nan"),
     }
+    if roofline is not None:
+        out["roofline_tok_s"] = engine_tok / sum(_step_floor(roofline, s.features, screen) for s in res.steps)
+        out["decode_floor_ms"] = 1e3 * statistics.median(_step_floor(roofline, s.features, screen)
+                                                         for s in full) if full else float("nan")
+    return out
 
 
 def _hf_run(hf, prompts: list[list[int]], outputs: list[int], batch: int) -> dict:

@@ -1,5 +1,6 @@
 """Model arithmetic against published parameter counts, hand formulas, transformers' own models and the bytes the
-engine's tensors really take (KV caches, W4A16 weights)."""
+engine's tensors really take (KV caches, W4A16 weights); mixture-of-experts and MLA models from the public
+config.json files in hf_configs/."""
 
 import math
 from dataclasses import replace
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from core import arithmetic as ar
 from core.specs import ModelSpec
+from tests.core.test_specs import HF_CONFIGS, from_hf, hf_config
 
 LLAMA2_7B = ModelSpec("llama2_7b", 32, 4096, 32, 32, 128, 11008, 32000, dtype="float16")
 LLAMA3_8B = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256)
@@ -58,6 +60,115 @@ def test_total_params_match_transformers(spec):
     with torch.device("meta"):
         model = cls(cfg)
     assert ar.total_params(spec) == sum(p.numel() for p in model.parameters())
+
+
+# ---- MoE and MLA models ------------------------------------------------------------------------------------------
+
+MIXTRAL, QWEN3_32B = from_hf("Mixtral-8x7B-v0.1"), from_hf("Qwen3-32B")
+QWEN3_MOE, V2_LITE, V3 = from_hf("Qwen3-30B-A3B-Instruct-2507"), from_hf("DeepSeek-V2-Lite"), from_hf("DeepSeek-V3")
+
+
+@pytest.mark.parametrize(("config", "published"), [
+    ("Mixtral-8x7B-v0.1", 46.7e9), ("Qwen3-30B-A3B-Instruct-2507", 30.5e9), ("DeepSeek-V2-Lite", 15.7e9),
+    ("Llama-3.1-8B", 8.03e9), ("Qwen3-32B", 32.8e9), ("Llama-3.1-70B", 70.6e9), ("DeepSeek-V3", 671e9),
+])
+def test_total_params_match_published_totals(config, published):
+    assert ar.total_params(from_hf(config)) == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.parametrize(("spec", "published", "embedding_table"), [
+    (MIXTRAL, 12.9e9, True), (QWEN3_MOE, 3.3e9, True), (V2_LITE, 2.4e9, False), (V3, 37e9, False),
+])
+def test_active_params_match_published_counts(spec, published, embedding_table):
+    """Published active counts have two or three significant digits: ours lie within one unit of the last one.
+    DeepSeek's leave out the embedding table (a lookup, not a matmul); Mistral's and Qwen's count it."""
+    ours = ar.active_params(spec) - (0 if embedding_table else ar.embedding_params(spec))
+    unit = 10 ** math.floor(math.log10(published) - 1)  # 12.9e9 -> 0.1e9, 3.3e9 -> 0.1e9, 37e9 -> 1e9
+    assert abs(ours - published) < unit
+
+
+@pytest.mark.parametrize("config", sorted(p.stem for p in HF_CONFIGS.glob("*.json")))
+def test_total_params_match_transformers_full_size(config):
+    """transformers builds each released model on the meta device (no memory): the same parameter count, exactly."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = hf_config(config)
+    cfg = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items()
+                                                                 if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        model = getattr(transformers, hf["architectures"][0])(cfg)
+    assert ar.total_params(from_hf(config)) == sum(p.numel() for p in model.parameters())
+
+
+def test_mixtral_by_hand():
+    d, layers = 4096, 32
+    attention = 2 * d * d + 2 * d * 1024
+    expert = 3 * d * 14336
+    layer = attention + 8 * expert + 8 * d + 2 * d  # + router + two norms
+    assert ar.moe_layers(MIXTRAL) == list(range(layers)) and ar.dense_layers(MIXTRAL) == []
+    assert ar.expert_params(MIXTRAL) == expert and ar.router_params(MIXTRAL, 0) == 8 * d
+    with pytest.raises(ValueError, match="has no experts"):
+        ar.expert_params(LLAMA3_8B)
+    assert ar.params_per_layer(MIXTRAL) == layer
+    assert ar.total_params(MIXTRAL) == layers * layer + 2 * 32000 * d + d == 46_702_792_704
+    assert ar.active_params(MIXTRAL) == ar.total_params(MIXTRAL) - layers * 6 * expert == 12_879_925_248
+    # FLOPs: the top-2 experts and the router, not all 8 experts
+    assert ar.linear_flops_per_token(MIXTRAL) == 2 * layers * (attention + 2 * expert + 8 * d)
+    assert ar.quantised_params(MIXTRAL) == layers * (attention + 8 * expert)  # the router stays 16-bit
+
+
+def test_qwen3_by_hand():
+    # Qwen3-32B: head_dim 128 x 64 heads = 8192 wide q from a 5120 hidden size; q and k norms of 128 per layer
+    d = 5120
+    attention = d * 8192 + 2 * d * 1024 + 8192 * d
+    assert ar.attention_params_per_layer(QWEN3_32B) == attention
+    assert ar.params_per_layer(QWEN3_32B) == attention + 3 * d * 25600 + 2 * 128 + 2 * d
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 active; 48 MoE layers
+    assert ar.ffn_width(QWEN3_MOE) == 128 * 768 and ar.ffn_width(QWEN3_MOE, active=True) == 8 * 768
+    assert ar.active_params(QWEN3_MOE) == ar.total_params(QWEN3_MOE) - 48 * 120 * 3 * 2048 * 768 == 3_353_032_704
+
+
+def test_deepseek_v2_lite_by_hand():
+    d, h = 2048, 16
+    q = d * h * 192  # no q_lora_rank: q straight from the hidden state
+    kv = d * (512 + 64) + 512 * h * (128 + 128)
+    attention = q + kv + h * 128 * d
+    assert ar.attention_params_per_layer(V2_LITE) == attention == 13_762_560
+    assert ar.dense_layers(V2_LITE) == [0] and ar.moe_layers(V2_LITE) == list(range(1, 27))
+    dense = attention + 3 * d * 10944 + 512 + 2 * d  # + the latent's norm + two norms
+    moe = attention + 64 * 3 * d * 1408 + 3 * d * 2 * 1408 + 64 * d + 512 + 2 * d  # routed, 2 shared, router
+    assert ar.params_per_layer(V2_LITE, 0) == dense and ar.params_per_layer(V2_LITE, 1) == moe
+    assert ar.total_params(V2_LITE) == dense + 26 * moe + 2 * 102400 * d + d == 15_706_484_224
+    with pytest.raises(ValueError, match="dense and MoE layers: pass the layer index"):
+        ar.params_per_layer(V2_LITE)
+    # the cache: one latent of 512 and one RoPE key of 64 per token and layer, 2 bytes each in bf16
+    assert ar.kv_bytes_per_token(V2_LITE) == (512 + 64) * 27 * 2 == 31_104
+    assert ar.kv_bytes_per_token(V2_LITE, kv_bits=8) == (512 + 64 + 4) * 27  # int8 + one float32 scale
+    assert ar.kv_bytes_per_token_per_device(V2_LITE, tp=4) == 31_104  # no head axis: every device holds it all
+    assert ar.attention_flops_per_pair(V2_LITE) == 2 * h * (192 + 128) * 27
+    # elementwise: the SwiGLU of 6 routed + 2 shared experts in MoE layers, RoPE on 16 query heads + 1 shared key
+    per_layer = [10 * d + 3 * (10944 if i == 0 else 8 * 1408) + 2 * 17 * 64 for i in range(27)]
+    assert ar.elementwise_bytes_per_token(V2_LITE) == 2 * sum(per_layer)
+
+
+def test_deepseek_v3_q_lora_bottleneck():
+    q = 7168 * 1536 + 1536 * 128 * 192
+    assert ar.attention_params_per_layer(V3) == q + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert ar.params_per_layer(V3, 0) - ar.linear_params_per_layer(V3, 0) == 512 + 1536 + 2 * 7168
+
+
+def test_moe_weight_bytes_keep_the_router_16_bit():
+    # Mixtral: what stays in bf16 under W4 is the 32 routers (8 x 4096) and norms, the embeddings and the LM head
+    rest = 32 * (8 * 4096 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    assert ar.total_params(MIXTRAL) - ar.quantised_params(MIXTRAL) == rest
+    assert ar.weight_bytes(MIXTRAL, 4, 128) == 2 * rest + ar.quantised_params(MIXTRAL) * (0.5 + 4 / 128)
+
+
+def test_flops_follow_active_params():
+    """~2 FLOPs per active parameter (embedding lookup aside): the rule of thumb holds for MoE with active params."""
+    for spec in (MIXTRAL, QWEN3_MOE, V2_LITE):
+        rest = ar.active_params(spec) - ar.embedding_params(spec)  # the LM head is in lm_head_flops_per_token
+        assert ar.flops_per_token(spec) == pytest.approx(2 * rest, rel=0.01)
 
 
 # ---- KV bytes ------------------------------------------------------------------------------------------------------

@@ -18,8 +18,23 @@ LAYOUTS = {
     "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
         "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    # head_dim independent of hidden / heads (64 / 4 = 16), q/k norms
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
+    # layer 0 dense (decoder_sparse_step 2), layer 1 four experts, top-2 renormalised; odd head_dim 40
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "head_dim": 40, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "decoder_sparse_step": 2}),
+    # layer 0 eight experts top-1 with the raw softmax weight (no renormalisation), layer 1 dense (mlp_only_layers)
+    "qwen3_moe_top1": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "num_experts": 8, "num_experts_per_tok": 1, "moe_intermediate_size": 32, "norm_topk_prob": False,
+        "mlp_only_layers": [1]}),
+    # every layer eight experts of the dense width, top-2
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
+        "num_local_experts": 8, "num_experts_per_tok": 2}),
 }
+MOE_LAYOUTS = ("qwen3_moe", "qwen3_moe_top1", "mixtral")
 WEIGHT_STD = 0.15  # larger than HF's 0.02 so greedy argmax has clear margins
+QK_NORM_STD = 0.2  # Qwen3's q/k norm weights around 1, so a norm that dropped its weight would show
 
 
 def tiny_hf(layout: str = "llama", seed: int = 0, **overrides):
@@ -30,17 +45,20 @@ def tiny_hf(layout: str = "llama", seed: int = 0, **overrides):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * QK_NORM_STD)
+            elif not name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     return model
 
 
-def tiny_checkpoint(tmp_path, layout: str = "llama", seed: int = 0, **overrides):
-    """(HF model, checkpoint directory) saved with safetensors."""
+def tiny_checkpoint(tmp_path, layout: str = "llama", seed: int = 0, fused_experts: bool = False, **overrides):
+    """(HF model, checkpoint directory) saved with safetensors. MoE experts are saved one tensor per expert, as hub
+    checkpoints hold them (transformers' default), or with ``fused_experts`` as transformers' stacked tensors."""
     model = tiny_hf(layout, seed, **overrides)
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model.save_pretrained(tmp_path, safe_serialization=True, save_original_format=not fused_experts)
     return model, tmp_path
 
 

@@ -1,5 +1,6 @@
 """ModelRunner / EngineExecutor: greedy outputs identical to transformers under any chunking, batching mix,
-prefix reuse and recompute; input validation; executor contract; input-preparation overhead."""
+prefix reuse and recompute (dense, Qwen3 and mixture-of-experts layouts); input validation; executor contract;
+input-preparation overhead."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from engine.attention import allocate_kv_caches
 from engine.executor import EngineExecutor, build_engine_executor
 from engine.loader import load_model
 from engine.runner import ModelRunner
+from kernels.cpu_gemm import gemm_library
 from kernels.greedy_screen import screen_library
-from tests.engine.checkpoints import TINY, tiny_checkpoint
+from tests.engine.checkpoints import MOE_LAYOUTS, TINY, tiny_checkpoint
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 NEW_TOKENS = 8
+RUN_LAYOUTS = ("llama", "qwen2", "qwen3", *MOE_LAYOUTS)  # the layouts every scheduling path is checked on
 
 
 @dataclass
@@ -81,9 +84,9 @@ def hf_greedy(hf, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(HF model, our model) for the llama and qwen2 layouts, loaded once per module."""
+    """(HF model, our model) for RUN_LAYOUTS, loaded once per module."""
     out = {}
-    for layout in ("llama", "qwen2"):
+    for layout in RUN_LAYOUTS:
         hf, path = tiny_checkpoint(tmp_path_factory.mktemp(layout), layout)
         out[layout] = (hf, load_model(path))
     return out
@@ -106,7 +109,7 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("layout", ["llama", "qwen2"])
+@pytest.mark.parametrize("layout", RUN_LAYOUTS)
 @pytest.mark.parametrize("chunk_size", [1, 7, None])
 def test_chunked_mixed_batch_greedy_matches_transformers(tiny, mixed, layout, chunk_size):
     ps, refs = mixed
@@ -115,8 +118,9 @@ def test_chunked_mixed_batch_greedy_matches_transformers(tiny, mixed, layout, ch
     assert [s.output_token_ids for s in states] == refs[layout]
 
 
-def test_cached_prefix_computes_only_the_suffix(tiny):
-    hf, model = tiny["llama"]
+@pytest.mark.parametrize("layout", ["llama", "qwen3", *MOE_LAYOUTS])
+def test_cached_prefix_computes_only_the_suffix(tiny, layout):
+    hf, model = tiny[layout]
     runner, blocks = make_runner(model), Blocks()
     shared, tail_a, tail_b = prompts(1, [17, 3, 6])
     a = _state("a", shared + tail_a)
@@ -134,9 +138,10 @@ def test_cached_prefix_computes_only_the_suffix(tiny):
     assert a.output_token_ids == hf_greedy(hf, shared + tail_a)
 
 
-def test_recompute_after_preemption(tiny):
+@pytest.mark.parametrize("layout", ["qwen2", "qwen3", *MOE_LAYOUTS])
+def test_recompute_after_preemption(tiny, layout):
     """Prompt + outputs so far recomputed into fresh blocks in chunks, then decoding resumes."""
-    hf, model = tiny["qwen2"]
+    hf, model = tiny[layout]
     runner, blocks = make_runner(model), Blocks()
     (p,) = prompts(2, [9])
     s = _state("p", p)
@@ -224,23 +229,38 @@ def test_native_backend_matches_transformers_and_plans_what_it_needs(tiny, mixed
     assert outs[0] == outs[1]
 
 
-def test_cpu_gemm_choice_keeps_the_tokens(tiny, mixed):
+def _cpu_matmuls(model) -> list:
+    """The CpuLinears a model's steps run: its decoder layers' (experts included) and the LM head's."""
+    from engine.moe import Experts
+
+    out = [model.logits_matmul]
+    for m in model.model.layers.modules():
+        if hasattr(m, "matmul"):
+            out.append(m.matmul)
+        elif isinstance(m, Experts):
+            out += [c for pair in m.matmuls for c in pair]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["llama", "mixtral"])
+def test_cpu_gemm_choice_keeps_the_tokens(tiny, mixed, layout):
     """backend.cpu_gemm=native (every GEMM on the native kernel) gives transformers' greedy tokens too, on the
-    model's own Linear layers and LM head; switching back restores the per-row-count choice."""
+    model's own Linear layers, experts and LM head; switching back restores the per-row-count choice."""
     ps, refs = mixed
-    model = tiny["llama"][1]
+    model = tiny[layout][1]
     try:
         model.use_cpu_gemm("native")
-        assert model.logits_matmul.native_only and all(
-            m.matmul.native_only for m in model.modules() if hasattr(m, "matmul"))
+        assert all(c.native_only for c in _cpu_matmuls(model))
+        model.pack_cpu_weights()  # every weight, each expert's included, packed before the first step
+        assert gemm_library() is None or all(c.native is not None for c in _cpu_matmuls(model))
         states = [_state(f"r{i}", p) for i, p in enumerate(ps)]
         run_to_completion(make_runner(model, kernels="native"), Blocks(), states, None)
-        assert [s.output_token_ids for s in states] == refs["llama"]
+        assert [s.output_token_ids for s in states] == refs[layout]
         with pytest.raises(ValueError, match="backend.cpu_gemm"):
             model.use_cpu_gemm("mkl")
     finally:
         model.use_cpu_gemm("auto")
-    assert not model.logits_matmul.native_only
+    assert not any(c.native_only for c in _cpu_matmuls(model))
 
 
 class _Counting:
@@ -256,7 +276,7 @@ class _Counting:
         return out
 
 
-@pytest.mark.parametrize("layout", ["llama", "qwen2"])
+@pytest.mark.parametrize("layout", RUN_LAYOUTS)
 def test_greedy_screen_keeps_the_tokens(tiny, mixed, layout):
     """backend.greedy_screen: greedy steps take their tokens from the LM head's int8 screen (where the CPU runs it)
     and they are transformers' greedy tokens, chunked or not; off, the screen is never asked."""
@@ -391,11 +411,12 @@ def test_input_prep_overhead_at_batch_32(tiny):
 
 
 @pytest.mark.interpreter
-def test_triton_backend_mixed_batch_matches_transformers(tiny, mixed):
+@pytest.mark.parametrize("layout", ["llama", "qwen3_moe"])  # qwen3_moe: q/k norms, a dense and an MoE layer
+def test_triton_backend_mixed_batch_matches_transformers(tiny, mixed, layout):
     ps, refs = mixed
     states = [_state(f"r{i}", p) for i, p in enumerate(ps[:2])]
-    run_to_completion(make_runner(tiny["llama"][1], kernels="triton"), Blocks(), states, 7)
-    assert [s.output_token_ids for s in states] == refs["llama"][:2]
+    run_to_completion(make_runner(tiny[layout][1], kernels="triton"), Blocks(), states, 7)
+    assert [s.output_token_ids for s in states] == refs[layout][:2]
 
 
 @pytest.mark.interpreter

@@ -109,3 +109,12 @@ def test_compute_share_shows_compute_bound_linear_layers_inside_a_memory_bound_s
     # 1024 tokens over 4-bit weights: ~3600 FLOP/B in the linear layers, far above the 295 ridge point
     assert big["compute_share"] > 0.5
     assert 0.75 < r["prefill"]["compute_share"] < 1.0  # the rest: memory-bound norms and elementwise ops
+
+
+def test_moe_model_reports_total_and_active_params(capsys):
+    main(_compose("model=deepseek_v2_lite", "estimate.batch_sizes=[1]", "estimate.json=true"))
+    r = json.loads(capsys.readouterr().out)
+    assert r["params"] == 15_706_484_224 and r["active_params"] == 2_661_150_208  # tests/core/test_arithmetic.py
+    assert r["kv_bytes_per_token"] == (512 + 64) * 27 * 2  # MLA: the latent and its RoPE key
+    assert "2.66 G active per token" in format_table(r)
+    assert "active" not in format_table(estimate(LLAMA3_8B, H100, batch_sizes=[1])).split("|")[0]

@@ -104,3 +104,26 @@ def test_the_screened_floor_reads_the_int8_lm_head():
     assert _step_floor(roof, decode, False) == roof.step_time(decode)
     assert _step_floor(roof, decode, True) == pytest.approx(roof.step_time(decode) - fp32_head + int8_head)
     assert _step_floor(roof, StepFeatures(), True) == roof.step_time(StepFeatures())
+
+
+def test_moe_benchmark_smoke():
+    """bench_moe's code paths on a tiny MoE model: each reported ratio is the quotient of the rates next to it."""
+    from experiments.benchmarks.moe import main
+
+    for arch in ("qwen3_moe", "mixtral"):
+        out = main(["--arch", arch, "--batches", "1,3", "--waves", "1", "--prompt", "8", "--output", "4",
+                    "--repeats", "1", "--hidden", "64", "--layers", "2", "--vocab", "512", "--expert-width", "32"])
+        for b in (1, 3):
+            r = out[f"batch_{b}"]
+            assert r["speedup_vs_hf"] == pytest.approx(r["engine_tok_s"] / r["hf_tok_s"], rel=2e-3, abs=1e-3)
+            assert r["engine_decode_tok_s"] == pytest.approx(1e3 * b / r["decode_step_ms"], rel=2e-3)
+
+
+@pytest.mark.bench
+def test_moe_engine_vs_transformers():
+    from experiments.benchmarks.moe import main
+
+    out = main(["--repeats", "2"])
+    for b in (1, 8, 32):
+        r = out[f"batch_{b}"]
+        print(f"MoE batch {b}: engine / transformers throughput {r['speedup_vs_hf']:.2f}x")
