@@ -19,7 +19,7 @@ import numpy as np
 import yaml
 from scipy.optimize import least_squares, nnls
 
-from core.batch import StepFeatures
+from core.batch import LATER_FEATURES, StepFeatures
 from core.checks import check_keys
 from core.records import StepRecord
 from core.specs import HardwareSpec, ModelSpec
@@ -317,16 +317,18 @@ def steps_from_csv(path: str | Path) -> tuple[list[StepFeatures], np.ndarray, np
     names = StepFeatures.names()
     if not path.is_file() or path.suffix == ".parquet":
         cols = read_steps(table_path(path))
-        missing = sorted(set(StepRecord.columns()) - set(cols))
+        missing = sorted(set(StepRecord.columns()) - set(cols) - LATER_FEATURES)
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
-        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() for k in names), strict=True)]
+        zeros = np.zeros(len(cols["duration_s"]), dtype=np.int64)
+        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() if k in cols else zeros.tolist()
+                                                     for k in names), strict=True)]
         return feats, cols["duration_s"].astype(float), cols["replica"].astype(int)
     features, durations, replicas = [], [], []
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        # num_draft_tokens came with speculative decoding: recordings made before it have none (0)
-        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - {"num_draft_tokens"})
+        # features added since the first recordings (core.batch.LATER_FEATURES): older files have none (0)
+        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - LATER_FEATURES)
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
         for line, row in enumerate(reader, start=2):
@@ -489,7 +491,8 @@ def prefill_steps(prompt_len: int, cached: int = 0, chunk: int | None = None) ->
 def _decode_step(contexts: Sequence[int]) -> StepFeatures:
     b = len(contexts)
     return StepFeatures(num_seqs=b, num_batched_tokens=b, num_decode_seqs=b, kv_tokens_read=int(sum(contexts)),
-                        max_context_len=int(max(contexts)))
+                        max_context_len=int(max(contexts)), max_decode_context=int(max(contexts)),
+                        min_decode_context=int(min(contexts)))
 
 
 def _col(cols: Mapping[str, np.ndarray], name: str, n: int, default: float) -> np.ndarray:

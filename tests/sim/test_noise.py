@@ -25,7 +25,7 @@ from sim.cost.linear import LinearCostModel
 from sim.executor import CostModelExecutor
 from sim.noise import MIN_STEPS, StepNoise, auto_block_steps, record_step_noise
 
-DECODE = StepFeatures(1, 1, 0, 0, 1, 0, 100, 0, 100)
+DECODE = StepFeatures(1, 1, 0, 0, 1, 0, 100, 0, 100, 0, 100, 100)
 PREFILL = StepFeatures(1, 64, 1, 64, 0, 2080, 0, 64, 64)
 MODEL = LinearCostModel(c0_s=2e-3, per_prefill_token_s=5e-5, per_decode_seq_s=3e-4, per_kv_token_read_s=1e-6)
 
