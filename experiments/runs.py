@@ -7,6 +7,7 @@ so every run directory holds the DESIGN section 8 files plus the resolved ``conf
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields
@@ -33,6 +34,8 @@ from experiments.build import (
 )
 from experiments.overrides import with_backend
 from sim.clock import simulate
+
+log = logging.getLogger(__name__)
 
 COMPARED_FILES = ("requests.csv", "tokens.csv")
 # output.plots=auto draws the figures of runs with at most this many requests: drawing costs about 2 s whatever the
@@ -66,7 +69,23 @@ def run(cfg: DictConfig, out_dir: str | Path, make_executors: MakeExecutors | No
                           backend_label, note, run_status=INTERRUPTED, plots=False, pd=pd_loop(loop))
         raise
     check_measured(cfg, result)
-    return write_run_dir(cfg, result, out_dir, backend_label, host_tier_metrics(cfg, loop), pd=pd_loop(loop))
+    return write_run_dir(cfg, result, out_dir, backend_label,
+                         {**host_tier_metrics(cfg, loop), **cost_model_metrics(loop)}, pd=pd_loop(loop))
+
+
+def cost_model_metrics(loop: ServingLoop) -> dict[str, Any]:
+    """metrics.json's ``cost_model`` section: what a cost model with a ``coverage()`` reports (``sim.cost.profiled``:
+    steps priced outside its tables; the replicas share one model); no key for the others. Logged when a step left
+    a table's grid."""
+    models = {id(cm): cm for ex in loop.executors if hasattr(cm := getattr(ex, "cost_model", None), "coverage")}
+    if not models:
+        return {}
+    seen = [cm.coverage() for cm in models.values()]
+    for c in seen:
+        if c.get("beyond_grid"):
+            log.info(f"{c['priced_steps']} steps priced, some beyond the profiled grid (scaled by the roofline "
+                     f"from its edge): {c['beyond_grid']}")
+    return {"cost_model": seen[0] if len(seen) == 1 else seen}
 
 
 def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
