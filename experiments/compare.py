@@ -25,7 +25,9 @@ measured side. There is no engine run, no replay and no step data; the calibrati
 fitted here from ``calibrate.runs`` (request-level profiling runs against the same server). The simulator runs the
 measured run's own workload: the ``workload`` section of its config.yaml when it has one (loadgen writes it: same
 requests, same prefix sharing), else a request list of its requests.csv (arrivals and lengths, no sharing).
-See docs/serving.md.
+See docs/serving.md. A recorded GPU vLLM run (``shared/data/gpu-groundtruth/llmservingsim/<GPU>/<model>``) is
+simulated under its own engine settings with the published operator profiles (``experiments.calibration.groundtruth``,
+docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from core.checks import check_int
 from core.output import has_table, read_metrics, read_timing
 from experiments.build import CONF_DIR, hardware_spec, model_spec
 from experiments.calibrate import calibrate, describe, group_of, run_profile
+from experiments.calibration import groundtruth
 from experiments.cli import user_errors
 from experiments.interleave import run_interleaved
 from experiments.overrides import apply_overrides, with_backend, with_calibration
@@ -217,6 +220,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     c = cfg.compare
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if c.get("measured") and groundtruth.is_groundtruth(c.measured):  # a recorded GPU vLLM run, priced from profiles
+        return groundtruth.evaluate(cfg, out, CONF_DIR)
     if c.get("measured"):
         return _evaluate_measured(cfg, out, plots_too)
     engine_cfg = with_backend(cfg, "engine")
@@ -320,6 +325,8 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """The held-out comparison, then (``compare.rates``) the same at each request rate: on the engine each rate
     point is its own comparison (with its own training run alongside when calibrating here; the profile is
     measured once and reused), or with ``compare.rate_backends=[sim]`` only simulated with the main calibration."""
+    if cfg.compare.get("measured") and groundtruth.is_groundtruth(cfg.compare.measured):
+        cfg = apply_overrides(cfg, ["compare.rates=[]"])  # one recorded run: no rate sweep to measure
     c = cfg.compare
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +382,7 @@ def main(cfg: DictConfig) -> None:
         verdict = ("identical (logic error 0)" if logic["identical"]
                    else f"DIFFERS: {logic['divergence'] or logic['files']}")
         log.info(f"replay of the engine's step times: {verdict}")
-    log.info(errors_markdown(summary["errors"]))
+    log.info(summary.get("errors_md") or errors_markdown(summary["errors"]))
     log.info(f"wrote {out}")
 
 
