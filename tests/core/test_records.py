@@ -30,10 +30,9 @@ def random_log(seed: int, steps: int, times: str = "float") -> StepLog:
         u = rng.random()
         if u < 0.3 or (u < 0.4 and len(live) < 4):
             begin = now if times != "int0" or rng.random() < 0.5 else 0
-            low = int(rng.integers(1, 2048))
-            run = DecodeSteps(int(rng.integers(0, 4)), int(rng.integers(1, 64)), int(rng.integers(0, 10**6)),
-                              int(rng.integers(1, 4096)), low + int(rng.integers(0, 2048)), low, begin,
-                              [(0, int(rng.integers(0, 100)))],
+            replica, seqs, kv, ctx = (int(rng.integers(0, 4)), int(rng.integers(1, 64)), int(rng.integers(0, 10**6)),
+                                      int(rng.integers(1, 4096)))
+            run = DecodeSteps(replica, seqs, kv, ctx, ctx, (ctx + 1) // 2, begin, [(0, int(rng.integers(0, 100)))],
                               durations=[duration() for _ in range(int(rng.integers(1, 40)))])
             live.append([run, log.add_run(run), int(rng.integers(1, len(run.durations) + 1))])
         elif u < 0.7 and live:
