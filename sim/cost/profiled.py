@@ -243,11 +243,8 @@ class AttentionTable:
         self._eligible: dict[tuple[int, ...], list[int]] = {}
 
     @classmethod
-    def from_csv(cls, path: Path, pc_coordinate: str = "pairs") -> AttentionTable:
-        cols = ("prefill_chunk", "kv_prefill", "n_decode", "kv_decode", "time_us")
-        rows = np.array([[float(r[c]) for c in cols] for r in _csv_rows(path, cols)])
-        rows[:, 4] *= US
-        return cls(rows, pc_coordinate)
+    def from_csv(cls, path: Path) -> AttentionTable:
+        return cls(attention_rows(path))
 
     def _u(self, pc: float, kp: float) -> float:
         return pc * kp + pc * (pc + 1) / 2 if self.pc_coordinate == "pairs" else pc
@@ -417,6 +414,14 @@ def _csv_rows(path: Path, columns: Sequence[str]) -> list[dict[str, str]]:
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; header {reader.fieldnames}")
         return list(reader)
+
+
+def attention_rows(path: Path) -> np.ndarray:
+    """``attention.csv`` as (prefill_chunk, kv_prefill, n_decode, kv_decode, seconds) rows."""
+    cols = ("prefill_chunk", "kv_prefill", "n_decode", "kv_decode", "time_us")
+    rows = np.array([[float(r[c]) for c in cols] for r in _csv_rows(path, cols)])
+    rows[:, 4] *= US
+    return rows
 
 
 def _curves(path: Path, key: str) -> dict[str, Curve]:
@@ -741,10 +746,8 @@ def held_out_errors(variant_dir: str | Path, tp: int = 1, every: int = 2) -> dic
         out[f"dense {n}"] = _summary(errs)
     for n, c in tabs.per_sequence.items():
         out[f"per_sequence {n}"] = _summary(curve_held_out(c, every))
-    cols = ("prefill_chunk", "kv_prefill", "n_decode", "kv_decode", "time_us")
-    rows = np.array([[float(r[c]) for c in cols] for r in _csv_rows(tabs.directory / "attention.csv", cols)])
-    rows[:, 4] *= US
-    for axis, name in enumerate(cols[:4]):
+    rows = attention_rows(tabs.directory / "attention.csv")
+    for axis, name in enumerate(("prefill_chunk", "kv_prefill", "n_decode", "kv_decode")):
         out[f"attention {name}"] = _summary(attention_held_out(rows, axis, every))
     out["attention prefill_chunk (linear in tokens)"] = _summary(attention_held_out(rows, 0, every, "linear"))
     if tabs.moe is not None:
