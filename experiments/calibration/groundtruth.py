@@ -89,8 +89,9 @@ class GroundTruth:
 
     @property
     def instance(self) -> dict[str, Any]:
-        """The one serving instance of config.json (LLMServingSim's cluster config)."""
-        return self.cluster["nodes"][0]["instances"][0]
+        """The one serving instance of config.json (LLMServingSim's cluster config; {} without one)."""
+        nodes = self.cluster.get("nodes") or [{}]
+        return (nodes[0].get("instances") or [{}])[0]
 
 
 def is_groundtruth(path: str | Path) -> bool:
@@ -212,6 +213,8 @@ def settings(gt: GroundTruth, cfg: DictConfig, conf_dir: Path) -> tuple[list[str
         raise ValueError(f"{gt.directory}: data / expert parallelism is not modelled (engine_kwargs {e})")
     model_id = str(e.get("model") or gt.meta.get("model"))
     hardware = str(gt.instance.get("hardware") or "")
+    if not hardware:
+        raise ValueError(f"{gt.directory}: no {CLUSTER} naming the run's hardware")
     tp = int(e.get("tensor_parallel_size") or gt.instance.get("tp_size") or 1)
     model_opt, hw_opt = conf_option("model", model_id.split("/")[-1], conf_dir), conf_option("hardware", hardware,
                                                                                              conf_dir)
@@ -336,9 +339,10 @@ def evaluate(cfg: DictConfig, out: Path, conf_dir: Path) -> dict[str, Any]:
     sim_cfg = apply_overrides(cfg, overrides)
     sim_cfg.workload = OmegaConf.create({"_target_": "core.workload.RequestList", "seed": 0,
                                          "path": str(write_request_list(gt, out / "request_list.jsonl"))})
-    measured = summarize(measured_states(gt), **metrics_options(sim_cfg, model_spec(sim_cfg)))
+    states = measured_states(gt)
+    measured = summarize(states, **metrics_options(sim_cfg, model_spec(sim_cfg)))
     measured.update(backend="vllm (ground truth)", source=str(gt.directory))
-    write_measured_run(out / "engine", measured_states(gt), measured)
+    write_measured_run(out / "engine", states, measured)
     sim, draws = simulate(sim_cfg, out / "sim")
     peer = read_peer(gt.directory / PEER) if (gt.directory / PEER).is_file() else {}
     rows = error_rows(measured, sim, peer)
