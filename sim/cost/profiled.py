@@ -527,7 +527,7 @@ class OperatorProfileCostModel:
     ``overhead_s``: a fixed per-step time outside the tables' kernel time (vLLM 0.19 overlaps its CPU scheduling
     with the GPU, async scheduling being on by default, and replays CUDA graphs; 0 by default). ``skew``: apply the
     uneven-decode-context correction where the bundle has one. ``allreduce_latency_s``: per all-reduce, for ``tp`` >
-    1 (a guess: a small NCCL all-reduce between two PCIe GPUs is tens of microseconds; no table measures it).
+    1 (a guess of ~10 us for a small all-reduce between two PCIe GPUs; no table measures it).
     ``num_experts`` / ``experts_per_token``: a MoE model's routing, needed with a ``moe.csv`` (ModelSpec has no MoE
     fields yet). ``profile``: a variant folder to use instead of the search by hardware and model name.
     """
