@@ -56,6 +56,10 @@ class StepFeatures:
     prefill_kv_tokens: sum over prefill chunks of c + n (KV a prefill chunk's attention touches).
     num_draft_tokens: draft tokens verified in this step (speculative decoding; 0 otherwise). They are also in
         ``num_batched_tokens``: a decode with d drafts computes 1 + d positions.
+    max_decode_context / min_decode_context: the longest / shortest context a decode attends to (c + 1, as in
+        ``kv_tokens_read``; 0 without decodes). With ``kv_tokens_read`` (their sum) they say how uneven the decodes'
+        contexts are, which an attention kernel pays for beyond the mean (``sim.cost.profiled``: the skew
+        correction); ``max_context_len`` also covers prefill chunks, so it cannot tell.
     """
 
     num_seqs: int = 0
@@ -68,6 +72,8 @@ class StepFeatures:
     prefill_kv_tokens: int = 0
     max_context_len: int = 0
     num_draft_tokens: int = 0
+    max_decode_context: int = 0
+    min_decode_context: int = 0
 
     @property
     def kind(self) -> str:
@@ -78,7 +84,8 @@ class StepFeatures:
 
     @classmethod
     def of(cls, chunks: list[Chunk]) -> StepFeatures:
-        n_pre = t_pre = n_dec = pairs = kv = pre_kv = max_ctx = tokens = drafts = 0
+        n_pre = t_pre = n_dec = pairs = kv = pre_kv = max_ctx = tokens = drafts = max_dec = 0
+        min_dec = -1
         for ch in chunks:
             n, c = ch.num_tokens + ch.num_draft_tokens, ch.start
             tokens += n
@@ -88,16 +95,26 @@ class StepFeatures:
                 n_dec += 1
                 kv += c + n
                 drafts += ch.num_draft_tokens
+                if c + n > max_dec:
+                    max_dec = c + n
+                if min_dec < 0 or c + n < min_dec:
+                    min_dec = c + n
             else:
                 n_pre += 1
                 t_pre += n
                 pairs += n * c + n * (n + 1) // 2
                 pre_kv += c + n
-        return cls(len(chunks), tokens, n_pre, t_pre, n_dec, pairs, kv, pre_kv, max_ctx, drafts)
+        return cls(len(chunks), tokens, n_pre, t_pre, n_dec, pairs, kv, pre_kv, max_ctx, drafts, max_dec,
+                   max(min_dec, 0))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(cls.__dataclass_fields__)
+
+
+# Features added after the first recordings: a steps.csv or profile.csv written before them lacks their columns,
+# read as 0 (no drafts; decode context spread unknown).
+LATER_FEATURES = frozenset({"num_draft_tokens", "max_decode_context", "min_decode_context"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,8 @@ MAX_CHUNK = 1024
 def decode_features(first: StepFeatures, m: int) -> StepFeatures:
     """Step ``m`` of a decode run whose step 0 has features ``first``: every sequence one token further."""
     n = first.num_decode_seqs
-    return StepFeatures(n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m, 0)
+    return StepFeatures(n, n, 0, 0, n, 0, first.kv_tokens_read + m * n, 0, first.max_context_len + m, 0,
+                        first.max_decode_context + m, first.min_decode_context + m)
 
 
 class DecodeRun:
@@ -80,7 +81,7 @@ class DecodeRun:
         self.states = states = list(order)  # the order the scheduler decodes and allocates in (steady_decode)
         n = len(states)
         ctx = [s.num_computed_tokens + 1 for s in states]  # each next decode attends to its context and itself
-        self.first = StepFeatures(n, n, 0, 0, n, 0, sum(ctx), 0, max(ctx), 0)
+        self.first = StepFeatures(n, n, 0, 0, n, 0, sum(ctx), 0, max(ctx), 0, max(ctx), min(ctx))
         run = executor.forecast_decodes(self.first, min(FIRST_CHUNK, limit))
         self.durations: list[float] = list(run.durations)
         self.token = run.token
@@ -111,7 +112,8 @@ class DecodeRun:
         """Start the run at clock ``now`` on replica ``index``, its steps going to ``steps`` (as one
         ``DecodeSteps``): the first step's duration, or None (the run does not even start)."""
         first = self.first
-        self.record = DecodeSteps(index, first.num_seqs, first.kv_tokens_read, first.max_context_len, now,
+        self.record = DecodeSteps(index, first.num_seqs, first.kv_tokens_read, first.max_context_len,
+                                  first.max_decode_context, first.min_decode_context, now,
                                   [(0, self.used_blocks)], self.ends, self.durations)
         self._row = steps.add_run(self.record)
         return self.advance(now)

@@ -310,9 +310,9 @@ class Executor(Protocol):
 
     def forecast_decodes(self, first: StepFeatures, num_steps: int) -> DecodeForecast:
         """Predict ``num_steps`` consecutive steps that each decode the same ``first.num_decode_seqs`` sequences:
-        step m reads ``first.kv_tokens_read + m * num_decode_seqs`` KV tokens and has ``max_context_len``
-        ``first.max_context_len + m`` (``core.fast_forward.decode_features``). Only called when
-        ``predicts_decodes``; durations must equal ``execute``'s for those batches bit for bit."""
+        step m reads ``first.kv_tokens_read + m * num_decode_seqs`` KV tokens and has ``max_context_len``,
+        ``max_decode_context`` and ``min_decode_context`` m above ``first``'s (``core.fast_forward.decode_features``).
+        Only called when ``predicts_decodes``; durations must equal ``execute``'s for those batches bit for bit."""
         ...
 
     def decodes_taken(self, num_steps: int) -> None:

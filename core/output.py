@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from core.batch import StepFeatures
+from core.batch import LATER_FEATURES, StepFeatures
 from core.checks import check_choice
 from core.metrics import RequestMetrics, float_times, many_request_metrics, output_events, request_metrics
 from core.records import StepLog, StepRecord
@@ -570,16 +570,18 @@ def read_step_features(path: str | Path) -> tuple[list[StepFeatures], np.ndarray
     names = StepFeatures.names()
     if not path.is_file() or path.suffix == ".parquet":
         cols = read_steps(table_path(path))
-        missing = sorted(set(StepRecord.columns()) - set(cols))
+        missing = sorted(set(StepRecord.columns()) - set(cols) - LATER_FEATURES)
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
-        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() for k in names), strict=True)]
+        zeros = [0] * len(cols["duration_s"])  # a feature added after the file was written (LATER_FEATURES)
+        feats = [StepFeatures(*row) for row in zip(*(cols[k].astype(np.int64).tolist() if k in cols else zeros
+                                                     for k in names), strict=True)]
         return feats, cols["duration_s"].astype(float), cols["replica"].astype(int)
     features, durations, replicas = [], [], []
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        # num_draft_tokens came with speculative decoding: recordings made before it have none (0)
-        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - {"num_draft_tokens"})
+        # features added since the first recordings (core.batch.LATER_FEATURES): older files have none (0)
+        missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - LATER_FEATURES)
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
         for line, row in enumerate(reader, start=2):

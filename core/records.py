@@ -42,13 +42,16 @@ class DecodeSteps:
     """The steps of one fast-forwarded decode run (``core.fast_forward``) as the run's own data, not a row of
     values per step: step m starts at ``begin`` (m = 0) or at ``ends[m - 1]``, lasts ``durations[m]``, and decodes
     ``num_seqs`` sequences, each one token further than at step m - 1 (``core.fast_forward.decode_features``:
-    ``kv_tokens_read`` + m * ``num_seqs`` KV tokens read, max context ``max_context_len`` + m); ``blocks``: (m,
+    ``kv_tokens_read`` + m * ``num_seqs`` KV tokens read, max context ``max_context_len`` + m, decode contexts
+    ``max_decode_context`` + m and ``min_decode_context`` + m); ``blocks``: (m,
     KV blocks in use from step m on), one pair per change. ``close`` leaves about 16 bytes a step."""
 
     replica: int
     num_seqs: int
     kv_tokens_read: int  # step 0's
     max_context_len: int  # step 0's
+    max_decode_context: int  # step 0's
+    min_decode_context: int  # step 0's
     begin: float
     blocks: list[tuple[int, int]]
     ends: MutableSequence[float] = field(default_factory=list)  # appended by the run as each step ends
@@ -213,6 +216,7 @@ class _RunRows:
         self.runs = runs
         self.replica, self.num_seqs = per_run("replica"), per_run("num_seqs")
         self.kv_tokens_read, self.max_context_len = per_run("kv_tokens_read"), per_run("max_context_len")
+        self.max_decode_context, self.min_decode_context = per_run("max_decode_context"), per_run("min_decode_context")
         self.seen = np.zeros(len(runs), dtype=np.int64)
         changes = np.fromiter(chain.from_iterable(chain.from_iterable(r.blocks for r in runs)), dtype=np.int64)
         per_run_changes = np.fromiter(map(len, map(attrgetter("blocks"), runs)), dtype=np.int64, count=len(runs))
@@ -241,6 +245,8 @@ class _RunRows:
         return theirs, {
             "replica": self.replica[run], "num_seqs": n, "num_batched_tokens": n, "num_decode_seqs": n,
             "kv_tokens_read": self.kv_tokens_read[run] + m * n, "max_context_len": self.max_context_len[run] + m,
+            "max_decode_context": self.max_decode_context[run] + m,
+            "min_decode_context": self.min_decode_context[run] + m,
             "kv_blocks_used": blocks, "start_s": starts, "duration_s": durations}
 
 

@@ -23,7 +23,16 @@ from core.links import Link
 from core.loop import ServingLoop
 from core.metrics import ITLPool, prefix_cost_coeffs
 from core.replica import Replica
-from experiments.config import CONF_DIR, LIMIT_KEYS, REPO_ROOT, MetricsConfig, RunConfig, conf_option, plain
+from experiments.config import (
+    CONF_DIR,
+    LIMIT_KEYS,
+    REPO_ROOT,
+    MetricsConfig,
+    RunConfig,
+    conf_option,
+    plain,
+    shared_data,
+)
 from experiments.targets import check_targets
 
 __all__ = ["CONF_DIR", "REPO_ROOT", "MakeExecutors", "build_loop", "build_replicas", "build_executors",
@@ -225,7 +234,10 @@ def _sim_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
     from sim.executor import CostModelExecutor
     from sim.noise import StepNoise
 
-    cost = instantiate_group(run.config.cost_model, "cost_model", model=run.model, hardware=run.hardware)
+    node = run.config.cost_model
+    data = {"data_dir": str(shared_data("gpu-measurements", "llmservingsim"))} \
+        if "data_dir" in node and node.data_dir is None and not node.get("profile") else {}
+    cost = instantiate_group(node, "cost_model", model=run.model, hardware=run.hardware, **data)
     noise = step_noise(run)  # seeded per replica: replicas are machines of their own
     host = host_link(run) if run.num_host_blocks else None
     return [CostModelExecutor(cost, speculation=sim_speculation(run, r.index), host_link=host,

@@ -223,6 +223,16 @@ class SpeculationConfig:
                    int(policy.get("k", policy.get("max_k", 4))))
 
 
+def shared_data(*parts: str) -> Path:
+    """A folder of the data beside the checkout: ``<repo>/shared/data/...`` or ``<repo>/../shared/data/...``
+    (traces, published GPU measurements, GPU ground truth; their sources in its SOURCES.md)."""
+    for root in (REPO_ROOT, REPO_ROOT.parent):
+        d = root.joinpath("shared", "data", *parts)
+        if d.is_dir():
+            return d
+    raise FileNotFoundError(f"no shared/data/{'/'.join(parts)} under {REPO_ROOT} or {REPO_ROOT.parent}")
+
+
 def conf_option(group: str, name: str, key: str | None = None) -> dict[str, Any]:
     """One option of a conf/ group as a plain mapping (e.g. a draft model named by its option); ``key``: the config
     key that named it, for the error (default: the group)."""

@@ -68,8 +68,23 @@ def finish_run(run: RunConfig, loop: ServingLoop, result: RunResult, out_dir: st
     """How every finished run ends, whether it ran alone, interleaved with others or served over HTTP: refuse one
     that measured nothing, add the host-tier and PD sections, write the run directory; returns the metrics."""
     check_measured(run, result)
-    return write_run_dir(run, result, out_dir, backend_label, {**host_tier_metrics(run, loop), **(extra or {})},
-                         pd=pd_loop(loop))
+    sections = {**host_tier_metrics(run, loop), **cost_model_metrics(loop), **(extra or {})}
+    return write_run_dir(run, result, out_dir, backend_label, sections, pd=pd_loop(loop))
+
+
+def cost_model_metrics(loop: ServingLoop) -> dict[str, Any]:
+    """metrics.json's ``cost_model`` section: what a cost model with a ``coverage()`` reports (``sim.cost.profiled``:
+    steps priced outside its tables; the replicas share one model); no key for the others. Logged when a step left
+    a table's grid."""
+    models = {id(cm): cm for ex in loop.executors if hasattr(cm := getattr(ex, "cost_model", None), "coverage")}
+    if not models:
+        return {}
+    seen = [cm.coverage() for cm in models.values()]
+    for c in seen:
+        if c.get("beyond_grid"):
+            log.info(f"{c['priced_steps']} steps priced, some beyond the profiled grid (scaled by the roofline "
+                     f"from its edge): {c['beyond_grid']}")
+    return {"cost_model": seen[0] if len(seen) == 1 else seen}
 
 
 def pd_loop(loop: ServingLoop) -> PDServingLoop | None:

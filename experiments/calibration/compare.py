@@ -25,7 +25,9 @@ measured side. There is no engine run, no replay and no step data; the calibrati
 fitted here from ``calibrate.runs`` (request-level profiling runs against the same server). The simulator runs the
 measured run's own workload: the ``workload`` section of its config.yaml when it has one (loadgen writes it: same
 requests, same prefix sharing), else a request list of its requests.csv (arrivals and lengths, no sharing).
-See docs/serving.md.
+See docs/serving.md. A recorded GPU vLLM run (``shared/data/gpu-groundtruth/llmservingsim/<GPU>/<model>``) is
+simulated under its own engine settings with the published operator profiles (``experiments.calibration.groundtruth``,
+docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core.checks import check_int
 from core.output import has_table, read_metrics, read_step_features, read_timing
-from experiments.build import run_summary_options, step_noise
+from experiments.build import run_summary_options
+from experiments.calibration import groundtruth
 from experiments.calibration.calibrate import calibrate, describe, group_of
+from experiments.calibration.draws import headline, simulate_draws
 from experiments.calibration.interleave import run_interleaved
 from experiments.calibration.profiler import run_profile
 from experiments.cli import hydra_app
@@ -121,46 +124,6 @@ def step_errors(cost_model: Any, run_dir: str | Path) -> tuple[FitReport, dict[s
     return report(cost_model, features, y, labels), {g: (y[lab == g], p[lab == g]) for g in sorted(set(labels))}
 
 
-def median_metrics(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The median of each number across runs' metrics (nested mappings, as metrics.json); where a value is not a
-    number in every run (None, text), the first run's. A median, not a mean: a tail percentile that sits at a gap of
-    its distribution (ITL p99 between the last decodes and the first mixed steps) jumps across it in some draws."""
-    first = runs[0]
-    out: dict[str, Any] = {}
-    for k, v in first.items():
-        vals = [r.get(k) for r in runs]
-        if isinstance(v, Mapping) and all(isinstance(x, Mapping) for x in vals):
-            out[k] = median_metrics(vals)
-        elif all(isinstance(x, int | float) and not isinstance(x, bool) for x in vals):
-            out[k] = float(np.median(vals))
-        else:
-            out[k] = v
-    return out
-
-
-def simulate_draws(sim_cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The calibrated simulation into ``out_dir``, and its metrics to compare. With step noise (``sim.noise``) a
-    simulation is one draw of the machine's variability, as the measured run is one: a percentile predicted from
-    one draw scatters by several percent around the simulator's expectation (a TPOT p90 over 80 requests by
-    +-15%), so the metrics are the median over ``compare.noise_draws`` noise seeds (``backend.noise_seed`` + 0,
-    1, ...; the first is ``out_dir``'s run), and the second value gives each draw's headline numbers (None: no
-    noise)."""
-    import tempfile
-    from dataclasses import replace
-
-    draws = check_int(sim_cfg.compare.get("noise_draws", 1), "compare.noise_draws", 1)
-    sim = RunConfig.from_config(sim_cfg)
-    metrics = run(sim, out_dir)
-    if step_noise(sim) is None or draws <= 1:
-        return metrics, None
-    seed = sim.sim.noise_seed
-    runs = [metrics]
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(1, draws):
-            draw = replace(sim, sim=replace(sim.sim, noise_seed=seed + k), output=replace(sim.output, plots=False))
-            runs.append(run(draw, Path(tmp) / str(k)))
-    return median_metrics(runs), {"noise_seeds": list(range(seed, seed + draws)),
-                                "headline": [_headline(m) for m in runs]}
 
 
 # ---- the whole comparison -----------------------------------------------------------------------------------
@@ -218,6 +181,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     c = cfg.compare
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if c.get("measured") and groundtruth.is_groundtruth(c.measured):  # a recorded GPU vLLM run, priced from profiles
+        return groundtruth.evaluate(cfg, out)
     if c.get("measured"):
         return _evaluate_measured(cfg, out, plots_too)
     engine_cfg = with_backend(cfg, "engine")
@@ -264,7 +229,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
     summary["held_out_steps"] = steps_report.to_dict()
     summary["engine_clock"] = engine.get("engine_clock")
     summary["wall_s"] = {k: read_timing(out / k).get("wall_s") for k in ("engine", "sim")}
-    summary["metrics"] = {"engine": _headline(engine), "sim": _headline(sim)}
+    summary["metrics"] = {"engine": headline(engine), "sim": headline(sim)}
     summary["plots"] = {}
     if plots_too:
         from experiments import plots
@@ -299,7 +264,7 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     summary["errors"], summary["sim_metrics"] = rows, sim
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "errors.md").write_text(errors_markdown(rows, title="sim vs measured", reference="measured"))
-    summary["metrics"] = {"measured": _headline(measured), "sim": _headline(sim)}
+    summary["metrics"] = {"measured": headline(measured), "sim": headline(sim)}
     summary["plots"] = {}
     if plots_too:
         from experiments import plots
@@ -312,16 +277,12 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
     return summary
 
 
-def _headline(m: Mapping[str, Any]) -> dict[str, Any]:
-    return {"ttft_p50": m["ttft_s"]["p50"], "ttft_p90": m["ttft_s"]["p90"], "tpot_p50": m["tpot_s"]["p50"],
-            "tpot_p90": m["tpot_s"]["p90"], "goodput_rps": m["goodput_rps"], "slo_attainment": m["slo_attainment"],
-            "throughput_tok_s": m["throughput_tok_s"]}
-
-
 def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """The held-out comparison, then (``compare.rates``) the same at each request rate: on the engine each rate
     point is its own comparison (with its own training run alongside when calibrating here; the profile is
     measured once and reused), or with ``compare.rate_backends=[sim]`` only simulated with the main calibration."""
+    if cfg.compare.get("measured") and groundtruth.is_groundtruth(cfg.compare.measured):
+        cfg = apply_overrides(cfg, ["compare.rates=[]"])  # one recorded run: no rate sweep to measure
     c = cfg.compare
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,7 +321,7 @@ def compare(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
         xlabel = plots.axis_label(c.rate_key)
         summary["plots"]["rate_curves"] = str(plots.rate_curves(curves, out / "rate_curves.png", xlabel=xlabel))
-        summary["rates"] = {label: {str(r): _headline(m) for r, m in v.items()} for label, v in curves.items()}
+        summary["rates"] = {label: {str(r): headline(m) for r, m in v.items()} for label, v in curves.items()}
     summary["total_wall_s"] = time.perf_counter() - t0
     (out / "compare.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     return summary
@@ -377,7 +338,7 @@ def main(cfg: DictConfig) -> None:
         verdict = ("identical (logic error 0)" if logic["identical"]
                    else f"DIFFERS: {logic['divergence'] or logic['files']}")
         log.info(f"replay of the engine's step times: {verdict}")
-    log.info(errors_markdown(summary["errors"]))
+    log.info(summary.get("errors_md") or errors_markdown(summary["errors"]))
     log.info(f"wrote {out}")
 
 

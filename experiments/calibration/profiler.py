@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from core.batch import Batch, StepFeatures
+from core.batch import LATER_FEATURES, Batch, StepFeatures
 from core.output import read_step_features
 from core.request import Status
 from core.shapes import ShapedBatch, admit_chunk, shape_blocks
@@ -161,8 +161,8 @@ def read_profile(path: str | Path) -> tuple[list[StepFeatures], list[float], lis
     with open(path, newline="") as fh:
         for line, row in enumerate(csv.DictReader(fh), start=2):
             try:
-                # num_draft_tokens came with speculative decoding: older profiles have none (0)
-                feats.append(StepFeatures(**{k: int(row[k] if k != "num_draft_tokens" else row.get(k) or 0)
+                # features added since the first profiles (core.batch.LATER_FEATURES): older ones have none (0)
+                feats.append(StepFeatures(**{k: int(row[k] if k not in LATER_FEATURES else row.get(k) or 0)
                                              for k in StepFeatures.names()}))
                 durs.append(float(row["median_s"]))
                 groups.append(row["group"])

@@ -37,12 +37,11 @@ import numpy as np
 from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
-from experiments.build import REPO_ROOT
+from experiments.config import shared_data
 from sim.cost.base import decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 from sim.fit import FITTED_ROOFLINE, Measurement, OpGroupCost, cross_validate, fit_linear, fit_roofline, predict, report
 
-REPO = REPO_ROOT
 MS = 1e-3
 
 # Yi-34B-200K public config.json: Llama architecture, GQA 56/8 heads, 60 layers.
@@ -76,12 +75,8 @@ VIDUR_LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_
 
 
 def default_data_dir() -> Path:
-    """``<repo>/shared/data/gpu-measurements`` or ``<repo>/../shared/data/gpu-measurements``."""
-    for root in (REPO, REPO.parent):
-        d = root / "shared" / "data" / "gpu-measurements"
-        if d.is_dir():
-            return d
-    raise FileNotFoundError(f"no shared/data/gpu-measurements under {REPO} or {REPO.parent}")
+    """The published GPU measurements: ``shared/data/gpu-measurements`` beside the checkout."""
+    return shared_data("gpu-measurements")
 
 
 @dataclass(frozen=True)

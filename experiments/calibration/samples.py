@@ -35,7 +35,8 @@ def prefill_steps(prompt_len: int, cached: int = 0, chunk: int | None = None) ->
 def _decode_step(contexts: Sequence[int]) -> StepFeatures:
     b = len(contexts)
     return StepFeatures(num_seqs=b, num_batched_tokens=b, num_decode_seqs=b, kv_tokens_read=int(sum(contexts)),
-                        max_context_len=int(max(contexts)))
+                        max_context_len=int(max(contexts)), max_decode_context=int(max(contexts)),
+                        min_decode_context=int(min(contexts)))
 
 
 def _col(cols: Mapping[str, np.ndarray], name: str, n: int, default: float) -> np.ndarray:

@@ -32,7 +32,8 @@ COLUMNS = ("context", "batch", "step_s", "tokens_per_s", "weights_s", "kv_s", "w
 def decode_features(batch: int, context: int) -> StepFeatures:
     """``batch`` decodes, each attending to ``context`` tokens (its new one included)."""
     return StepFeatures(num_seqs=batch, num_batched_tokens=batch, num_decode_seqs=batch,
-                        kv_tokens_read=batch * context, max_context_len=context)
+                        kv_tokens_read=batch * context, max_context_len=context, max_decode_context=context,
+                        min_decode_context=context)
 
 
 def roofline_rows(cost: RooflineCostModel, batches, contexts, kv_capacity_tokens: int,

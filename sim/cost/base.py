@@ -60,7 +60,8 @@ def as_hardware_spec(h: HardwareSpec | Mapping[str, Any]) -> HardwareSpec:
 def decode_features(batch_size: int, context: int) -> StepFeatures:
     """``batch_size`` decodes, each attending to ``context`` tokens (its new token included)."""
     return StepFeatures(num_seqs=batch_size, num_batched_tokens=batch_size, num_decode_seqs=batch_size,
-                        kv_tokens_read=batch_size * context, max_context_len=context)
+                        kv_tokens_read=batch_size * context, max_context_len=context, max_decode_context=context,
+                        min_decode_context=context)
 
 
 def prefill_features(num_tokens: int, cached: int = 0) -> StepFeatures:

@@ -30,8 +30,9 @@ def random_log(seed: int, steps: int, times: str = "float") -> StepLog:
         u = rng.random()
         if u < 0.3 or (u < 0.4 and len(live) < 4):
             begin = now if times != "int0" or rng.random() < 0.5 else 0
-            run = DecodeSteps(int(rng.integers(0, 4)), int(rng.integers(1, 64)), int(rng.integers(0, 10**6)),
-                              int(rng.integers(1, 4096)), begin, [(0, int(rng.integers(0, 100)))],
+            replica, seqs, kv, ctx = (int(rng.integers(0, 4)), int(rng.integers(1, 64)), int(rng.integers(0, 10**6)),
+                                      int(rng.integers(1, 4096)))
+            run = DecodeSteps(replica, seqs, kv, ctx, ctx, (ctx + 1) // 2, begin, [(0, int(rng.integers(0, 100)))],
                               durations=[duration() for _ in range(int(rng.integers(1, 40)))])
             live.append([run, log.add_run(run), int(rng.integers(1, len(run.durations) + 1))])
         elif u < 0.7 and live:
@@ -73,7 +74,9 @@ def reference_columns(log: StepLog) -> list:
         n = r.num_seqs
         f = dict.fromkeys(FEATURES, 0) | {"num_seqs": n, "num_batched_tokens": n, "num_decode_seqs": n,
                                           "kv_tokens_read": r.kv_tokens_read + m * n,
-                                          "max_context_len": r.max_context_len + m}
+                                          "max_context_len": r.max_context_len + m,
+                                          "max_decode_context": r.max_decode_context + m,
+                                          "min_decode_context": r.min_decode_context + m}
         rows.append([r.replica, r.ends[m - 1] if m else r.begin, r.durations[m], *(f[c] for c in FEATURES),
                      [b for s, b in r.blocks if s <= m][-1], 0])
     out = []

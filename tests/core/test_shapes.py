@@ -31,10 +31,11 @@ def test_features_are_the_hand_computed_ones():
     shape = ShapedBatch(prefills=[(100, 30), (0, 17)], decodes=[20, 20, 50], name="s")
     batch = shape.admit(kv)
     # prefill (c=100, n=30): n*c + n(n+1)/2 pairs, c + n KV; prefill (0, 17): 17*18/2 pairs; decode at t: t KV read
+    # (the decodes' longest and shortest contexts: 50 and 20)
     assert batch.features == StepFeatures(
         num_seqs=5, num_batched_tokens=30 + 17 + 3, num_prefill_seqs=2, num_prefill_tokens=47, num_decode_seqs=3,
         attention_pairs=30 * 100 + 30 * 31 // 2 + 17 * 18 // 2, kv_tokens_read=20 + 20 + 50,
-        prefill_kv_tokens=130 + 17, max_context_len=130)
+        prefill_kv_tokens=130 + 17, max_context_len=130, max_decode_context=50, min_decode_context=20)
     assert [(ch.start, ch.num_tokens, ch.samples, ch.is_decode) for ch in batch.chunks] == [
         (100, 30, True, False), (0, 17, True, False), (19, 1, True, True), (19, 1, True, True), (49, 1, True, True)]
     assert [ch.state.id for ch in batch.chunks] == ["s-p0", "s-p1", "s-d0", "s-d1", "s-d2"]

@@ -303,7 +303,8 @@ def _runfiles(reqs, events):
 
 def _decode(*contexts):
     return StepFeatures(num_seqs=len(contexts), num_batched_tokens=len(contexts), num_decode_seqs=len(contexts),
-                        kv_tokens_read=sum(contexts), max_context_len=max(contexts))
+                        kv_tokens_read=sum(contexts), max_context_len=max(contexts), max_decode_context=max(contexts),
+                        min_decode_context=min(contexts))
 
 
 def test_request_samples_by_hand():

@@ -18,7 +18,7 @@ from core.batch import Batch, Chunk, StepFeatures
 from core.fast_forward import decode_features
 from experiments.build import CONF_DIR, build_executors, build_replicas
 from experiments.calibration.calibrate import calibrate
-from experiments.calibration.compare import median_metrics
+from experiments.calibration.draws import median_metrics
 from experiments.run import run
 from sim.cost.calibrated import calibrated_step_noise, load_calibration, write_calibration
 from sim.cost.linear import LinearCostModel
@@ -26,7 +26,7 @@ from sim.executor import CostModelExecutor
 from sim.noise import MIN_STEPS, StepNoise, auto_block_steps, record_step_noise
 from tests.helpers import parsed
 
-DECODE = StepFeatures(1, 1, 0, 0, 1, 0, 100, 0, 100)
+DECODE = StepFeatures(1, 1, 0, 0, 1, 0, 100, 0, 100, 0, 100, 100)
 PREFILL = StepFeatures(1, 64, 1, 64, 0, 2080, 0, 64, 64)
 MODEL = LinearCostModel(c0_s=2e-3, per_prefill_token_s=5e-5, per_decode_seq_s=3e-4, per_kv_token_read_s=1e-6)
 

@@ -78,7 +78,7 @@ def test_profiled_batches_have_the_shapes_features():
                                             num_prefill_tokens=30, attention_pairs=pairs_a, prefill_kv_tokens=130,
                                             max_context_len=130)
     assert rows[1].features == StepFeatures(num_seqs=3, num_batched_tokens=3, num_decode_seqs=3, kv_tokens_read=60,
-                                            max_context_len=20)
+                                            max_context_len=20, max_decode_context=20, min_decode_context=20)
     f = rows[2].features
     assert (f.num_prefill_tokens, f.num_decode_seqs, f.kv_tokens_read, f.attention_pairs) == (
         32, 2, 128, 32 * 64 + 32 * 33 // 2)
@@ -212,7 +212,7 @@ def test_profiled_decodes_advance_like_a_run():
                    warmup=1)
     truth = LinearCostModel(**TRUE)
     assert rows[0].features == StepFeatures(num_seqs=2, num_batched_tokens=2, num_decode_seqs=2, kv_tokens_read=200,
-                                            max_context_len=100)
+                                            max_context_len=100, max_decode_context=100, min_decode_context=100)
     # the three timed executions at contexts 99, 100, 101 (hand-computed features)
     expected = [truth.step_time(StepFeatures(num_seqs=2, num_batched_tokens=2, num_decode_seqs=2,
                                              kv_tokens_read=2 * t, max_context_len=t)) for t in (99, 100, 101)]

@@ -1,0 +1,361 @@
+"""A real vLLM run recorded by LLMServingSim's bench (``shared/data/gpu-groundtruth/llmservingsim/<GPU>/<model>/``) as
+the measured side of ``experiments.compare``: ``python -m experiments.compare compare.measured=<that folder>``
+simulates the run's own requests under the run's own engine settings and prints the error table beside the peer's
+(LLMServingSim's own prediction of the same run, ``validation_summary.txt``).
+
+The folder (see ``shared/data/SOURCES.md``): ``vllm_requests.jsonl`` (per request ``input_toks``, ``output_toks``,
+``arrival_time``: wall clock when the client sent it; ``queued_ts``, ``scheduled_ts``, ``first_token_ts``,
+``last_token_ts``: the engine core's monotonic clock), ``vllm_meta.json`` (``engine_kwargs``, the dataset's path and
+sha256, and in newer recordings ``kv_cache`` / ``hardware``), ``vllm_timeseries.csv`` (running / waiting requests
+each second), ``config.json`` (LLMServingSim's cluster config: hardware name, TP), ``validation_summary.txt``.
+
+Definitions, as LLMServingSim's bench validates them (``bench/core/validate.py``) and vLLM's ``bench serve`` reports:
+TTFT = first_token_ts - arrival, TPOT = (last_token_ts - first_token_ts) / (output_toks - 1), E2E = last_token_ts -
+arrival. The arrival is ``queued_ts``, the engine's clock like first / last (``arrival_time`` is another clock: a
+wall-clock epoch), so the times here exclude the API server in front of the engine (0-107 ms after arrival_time,
+median 15 ms, in the RTX PRO 6000 run). The simulator's arrivals are the same offsets, queued_ts minus the first
+one (not the workload file's nominal ones, which the client reproduced to within 16 ms), so TTFT means the same on
+both sides: engine queueing plus the steps up to the first token. Only first and last token times are recorded:
+the measured run's intermediate token times are spread evenly between them, so ITL is not compared.
+
+Engine settings of the simulation (``settings``): model and hardware from the run's model id and ``config.json``
+(``conf/model`` / ``conf/hardware`` options matched by name), ``tp`` from engine_kwargs (the cost model's too),
+``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` from engine_kwargs, block size 16 and prefix
+caching on (vLLM v1's defaults; ``kv_cache`` when recorded), the KV pool as recorded (``kv_cache.num_gpu_blocks``) or
+derived as vLLM sizes it (``derived_kv_blocks``), the scheduler and cost model of ``compare.groundtruth``
+(sarathi and profiled by default; ``compare.groundtruth.scheduler=vllm_v1`` switches), percentiles interpolated
+linearly (numpy's, the bench's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from core import arithmetic as ar
+from core.request import Request, RequestState, Status
+from core.specs import ModelSpec
+from experiments.config import CONF_DIR, RunConfig, conf_option
+
+log = logging.getLogger(__name__)
+
+REQUESTS, META, TIMESERIES, CLUSTER, PEER = ("vllm_requests.jsonl", "vllm_meta.json", "vllm_timeseries.csv",
+                                             "config.json", "validation_summary.txt")
+# vLLM 0.19's memory outside weights and KV (activation peak of its profiling run, CUDA graphs, non-torch) in the one
+# recording that states its block count, LLMServingSim's RTX 4090 Llama-3.1-8B run (bench/examples/RTX4090/
+# Llama-3.1-8B/vllm/meta.json @ 5daddb2: 2588 blocks of 16 tokens, 0.9 of 25,250,627,584 bytes): 0.9 x 25.25 GB -
+# 16.06 GB of weights - 2588 x 2 MiB of KV = 1.24 GB. It depends on the model and max_num_batched_tokens (2048 there).
+VLLM_RESERVED_BYTES = 1.24e9
+VLLM_BLOCK_SIZE = 16  # vLLM v1's default KV block
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+STATS = ("mean", "p50", "p90", "p99")
+PEER_NAMES = {"TTFT": "ttft_s", "TPOT": "tpot_s", "Latency": "e2e_s"}
+PEER_STATS = {"Mean": "mean", "Median": "p50", "P90": "p90", "P95": "p95", "P99": "p99"}
+
+
+@dataclass(frozen=True)
+class MeasuredRequest:
+    """One request of the run, times in seconds from the first request's queued_ts (the engine's clock)."""
+
+    id: str
+    arrival_s: float  # queued_ts
+    scheduled_s: float
+    first_token_s: float
+    last_token_s: float
+    prompt_token_ids: tuple[int, ...]
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class GroundTruth:
+    directory: Path
+    requests: list[MeasuredRequest]
+    meta: dict[str, Any]
+    cluster: dict[str, Any]
+    workload: Path  # the request list with prompt token ids the run replayed
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        return self.meta.get("engine_kwargs") or {}
+
+    @property
+    def instance(self) -> dict[str, Any]:
+        """The one serving instance of config.json (LLMServingSim's cluster config; {} without one)."""
+        nodes = self.cluster.get("nodes") or [{}]
+        return (nodes[0].get("instances") or [{}])[0]
+
+
+def is_groundtruth(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / REQUESTS).is_file() and (p / META).is_file()
+
+
+def _find_workload(directory: Path, meta: Mapping[str, Any]) -> Path:
+    """The dataset the run replayed (``vllm_meta.json`` dataset_path), by file name in the folder or the ones above
+    it, checked against the recorded sha256."""
+    name = Path(str(meta.get("dataset_path") or "")).name
+    if not name:
+        raise ValueError(f"{directory / META}: no dataset_path")
+    for parent in (directory, *directory.parents[:3]):
+        if (parent / name).is_file():
+            path = parent / name
+            want = meta.get("dataset_hash")
+            if want and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+                raise ValueError(f"{path}: sha256 differs from {directory / META} dataset_hash {want}")
+            return path
+    raise ValueError(f"{directory / META}: dataset {name} not found in {directory} or the 3 folders above it")
+
+
+def read_groundtruth(directory: str | Path) -> GroundTruth:
+    """The run's requests (in file order, ``bench-<i>`` = line i of the workload), joined with the prompt token ids
+    of the workload it replayed; lengths must agree."""
+    d = Path(directory)
+    meta = json.loads((d / META).read_text())
+    cluster = json.loads((d / CLUSTER).read_text()) if (d / CLUSTER).is_file() else {}
+    workload = _find_workload(d, meta)
+    prompts = [json.loads(line) for line in workload.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (d / REQUESTS).read_text().splitlines() if line.strip()]
+    if len(rows) != len(prompts):
+        raise ValueError(f"{d / REQUESTS}: {len(rows)} requests, {workload} has {len(prompts)}")
+    t0 = min(float(r["queued_ts"]) for r in rows)
+    out = []
+    for i, (r, w) in enumerate(zip(rows, prompts, strict=True)):
+        ids = tuple(int(x) for x in w["input_tok_ids"])
+        if len(ids) != int(r["input_toks"]) or int(w["output_toks"]) != int(r["output_toks"]):
+            raise ValueError(f"{d / REQUESTS} line {i + 1}: {r['input_toks']} + {r['output_toks']} tokens, "
+                             f"{workload} line {i + 1} has {len(ids)} + {w['output_toks']}")
+        out.append(MeasuredRequest(str(r["request_id"]), float(r["queued_ts"]) - t0, float(r["scheduled_ts"]) - t0,
+                                   float(r["first_token_ts"]) - t0, float(r["last_token_ts"]) - t0, ids,
+                                   int(r["output_toks"])))
+    return GroundTruth(d, out, meta, cluster, workload)
+
+
+def write_request_list(gt: GroundTruth, path: Path) -> Path:
+    """The run's requests as a ``core.workload.RequestList`` JSONL: id, arrival_s, prompt_token_ids (for prefix
+    caching), output_tokens."""
+    with path.open("w") as f:
+        for r in sorted(gt.requests, key=lambda r: r.arrival_s):
+            f.write(json.dumps({"id": r.id, "arrival_s": r.arrival_s, "prompt_token_ids": list(r.prompt_token_ids),
+                                "output_tokens": r.output_tokens}) + "\n")
+    return path
+
+
+def measured_states(gt: GroundTruth) -> list[RequestState]:
+    """The run as finished RequestStates: arrival, first scheduling, first and last token as recorded, the tokens
+    between spread evenly (only first and last are known)."""
+    states = []
+    for r in gt.requests:
+        s = RequestState(Request(id=r.id, arrival_s=r.arrival_s, prompt_len=len(r.prompt_token_ids),
+                                 max_new_tokens=r.output_tokens))
+        s.replica, s.first_scheduled_s, s.first_token_s, s.finish_s = 0, r.scheduled_s, r.first_token_s, r.last_token_s
+        s.token_times = array("d", np.linspace(r.first_token_s, r.last_token_s, r.output_tokens).tolist())
+        s.output_token_ids = [-1] * r.output_tokens
+        s.status = Status.FINISHED
+        states.append(s)
+    return states
+
+
+# ---- engine settings ----------------------------------------------------------------------------------------------
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def option_named(group: str, name: str) -> str:
+    """The ``conf/<group>`` option whose ``name`` matches ``name`` without case or punctuation."""
+    options = sorted((CONF_DIR / group).glob("*.yaml"))
+    for p in options:
+        if _norm(str(OmegaConf.load(p).get("name", p.stem))) == _norm(name):
+            return p.stem
+    raise ValueError(f"no conf/{group} option named like {name!r} (the ground truth's); have "
+                     f"{[p.stem for p in options]}: add one (its name matched without case or punctuation)")
+
+
+def derived_kv_blocks(model: ModelSpec, tp: int, device_bytes: float, utilization: float = 0.9,
+                      reserved_bytes: float = VLLM_RESERVED_BYTES, block_size: int = VLLM_BLOCK_SIZE) -> int:
+    """KV blocks per device as vLLM sizes its pool: ``utilization`` of the device's memory, minus this device's
+    weights and what vLLM keeps outside weights and KV (``reserved_bytes``), in blocks of this device's KV heads."""
+    budget = utilization * device_bytes - ar.weight_bytes(model) / tp - reserved_bytes
+    per_block = ar.kv_bytes_per_token_per_device(model, 16, tp) * block_size
+    return max(0, int(budget // per_block))
+
+
+def kv_pool(gt: GroundTruth, model: ModelSpec, tp: int, hardware_bytes: float,
+            reserved_bytes: float = VLLM_RESERVED_BYTES) -> tuple[int, int, str]:
+    """(blocks, block size, how they were obtained): recorded in vllm_meta.json ``kv_cache``, or derived from the
+    recorded device memory (``hardware.device_total_memory_bytes``), else the hardware preset's ``mem_bytes``."""
+    kv = gt.meta.get("kv_cache") or {}
+    block = int(kv.get("block_size") or VLLM_BLOCK_SIZE)
+    if kv.get("num_gpu_blocks"):
+        return int(kv["num_gpu_blocks"]), block, "recorded (vllm_meta.json kv_cache.num_gpu_blocks)"
+    util = float(kv.get("gpu_memory_utilization") or gt.engine.get("gpu_memory_utilization") or 0.9)
+    device = (gt.meta.get("hardware") or {}).get("device_total_memory_bytes")
+    where = "recorded device memory" if device else "hardware.mem_bytes"
+    blocks = derived_kv_blocks(model, tp, float(device or hardware_bytes), util, reserved_bytes, block)
+    how = (f"derived: {util:g} x {float(device or hardware_bytes) / 1e9:.2f} GB ({where}) - weights "
+           f"{ar.weight_bytes(model) / tp / 1e9:.2f} GB - vLLM's reserve {reserved_bytes / 1e9:.2f} GB")
+    return blocks, block, how
+
+
+def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any]]:
+    """Overrides that make ``cfg`` simulate the run (see the module docstring), and what they were derived from."""
+    g = cfg.compare.get("groundtruth") or {}
+    e = gt.engine
+    if int(e.get("data_parallel_size") or 1) != 1 or e.get("enable_expert_parallel"):
+        raise ValueError(f"{gt.directory}: data / expert parallelism is not modelled (engine_kwargs {e})")
+    model_id = str(e.get("model") or gt.meta.get("model"))
+    hardware = str(gt.instance.get("hardware") or "")
+    if not hardware:
+        raise ValueError(f"{gt.directory}: no {CLUSTER} naming the run's hardware")
+    tp = int(e.get("tensor_parallel_size") or gt.instance.get("tp_size") or 1)
+    model_opt, hw_opt = option_named("model", model_id.split("/")[-1]), option_named("hardware", hardware)
+    model = ModelSpec.from_config(conf_option("model", model_opt))
+    hw_bytes = float(conf_option("hardware", hw_opt)["mem_bytes"])
+    blocks, block, how = kv_pool(gt, model, tp, hw_bytes, float(g.get("kv_reserved_bytes", VLLM_RESERVED_BYTES)))
+    kv = gt.meta.get("kv_cache") or {}
+    prefix = kv.get("enable_prefix_caching", e.get("enable_prefix_caching", True))
+    out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={g.get('scheduler', 'sarathi')}",
+           f"cost_model={g.get('cost_model', 'profiled')}", f"cost_model.tp={tp}",
+           f"scheduler.max_num_seqs={int(e['max_num_seqs'])}",
+           f"scheduler.max_num_batched_tokens={int(e['max_num_batched_tokens'])}",
+           f"kv.num_blocks={blocks}", f"kv.block_size={block}", f"kv.prefix_caching={str(bool(prefix)).lower()}",
+           "kv.memory_bytes=null", "frontend_delay_s=0.0", "request_timeout_s=null",
+           "metrics.percentile_method=linear", "backend=sim"]
+    if e.get("max_model_len"):
+        out.append(f"model.max_model_len={int(e['max_model_len'])}")
+    out += [str(o) for o in g.get("overrides") or ()]
+    return out, {"model": model_opt, "hardware": hw_opt, "tp": tp, "kv_blocks": blocks, "kv_blocks_how": how,
+                 "kv_tokens": blocks * block, "workload": str(gt.workload), "overrides": out}
+
+
+# ---- the comparison -----------------------------------------------------------------------------------------------
+def read_peer(path: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """``validation_summary.txt``: {metric: {stat: {"vllm", "sim", "rel_error"}}} in seconds."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"\s*(TTFT|TPOT|Latency)\s+(Mean|Median|P\d+)\s+([\d.]+)\s+([\d.]+)\s+([-+\d.]+)%", line)
+        if m:
+            metric, stat = PEER_NAMES[m[1]], PEER_STATS.get(m[2], m[2].lower())
+            out.setdefault(metric, {})[stat] = {"vllm": float(m[3]) / 1e3, "sim": float(m[4]) / 1e3,
+                                                "rel_error": float(m[5]) / 100}
+    return out
+
+
+def error_rows(measured: Mapping[str, Any], sim: Mapping[str, Any],
+               peer: Mapping[str, Mapping[str, Mapping[str, float]]]) -> list[dict[str, Any]]:
+    """One row per (metric, statistic): measured, simulated, (sim - measured) / measured, and the peer's."""
+    rows = []
+    for m in METRICS:
+        for s in STATS:
+            ref, pred = (measured.get(m) or {}).get(s), (sim.get(m) or {}).get(s)
+            p = (peer.get(m) or {}).get(s) or {}
+            rows.append({"metric": m, "percentile": s, "engine": ref, "sim": pred,
+                         "rel_error": None if ref in (None, 0) or pred is None else (pred - ref) / ref,
+                         "peer_sim": p.get("sim"), "peer_rel_error": p.get("rel_error")})
+    return rows
+
+
+def rows_markdown(rows: Sequence[Mapping[str, Any]], title: str) -> str:
+    def num(v: float | None, pct: bool = False) -> str:
+        return "n/a" if v is None else f"{v:+.1%}" if pct else f"{v:.4g}"
+
+    lines = [f"### {title}", "", "| metric | stat | vLLM (measured) | twinserve | error | LLMServingSim | its error |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['metric']} | {r['percentile']} | {num(r['engine'])} | {num(r['sim'])} | "
+              f"{num(r['rel_error'], True)} | {num(r['peer_sim'])} | {num(r['peer_rel_error'], True)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
+    """Where simulated and measured runs part: per-request queueing (first scheduled - arrival) and TTFT, and the
+    running / waiting counts each second against ``vllm_timeseries.csv``."""
+    from core.output import read_requests
+
+    sim = read_requests(sim_dir)
+    by_id = {str(i): k for k, i in enumerate(sim["id"].tolist())}
+    idx = [by_id[r.id] for r in gt.requests]
+    arr = np.asarray(sim["arrival_s"])[idx]
+    sched, first, fin = (np.asarray(sim[c], dtype=float)[idx] for c in ("first_scheduled_s", "first_token_s",
+                                                                        "finish_s"))
+    m_arr = np.array([r.arrival_s for r in gt.requests])
+    m_sched = np.array([r.scheduled_s for r in gt.requests])
+    m_first = np.array([r.first_token_s for r in gt.requests])
+    m_fin = np.array([r.last_token_s for r in gt.requests])
+
+    def pct(x: np.ndarray) -> dict[str, float]:
+        return {"p50": float(np.percentile(x, 50)), "p90": float(np.percentile(x, 90)), "mean": float(np.mean(x))}
+
+    out: dict[str, Any] = {
+        "queue_s": {"measured": pct(m_sched - m_arr), "sim": pct(sched - arr)},
+        "prefill_s": {"measured": pct(m_first - m_sched), "sim": pct(first - sched)},
+        "ttft_diff_s": pct((first - arr) - (m_first - m_arr)),
+        "end_s": {"measured": float(m_fin.max()), "sim": float(fin.max())},
+        "cached_tokens": int(np.sum(np.asarray(sim["cached_tokens"]))) if "cached_tokens" in sim else None,
+    }
+    ts = gt.directory / TIMESERIES
+    if ts.is_file():
+        import csv
+
+        rows = list(csv.DictReader(ts.open()))
+        t = np.array([float(r["t"]) for r in rows])
+        # the timeseries' clock: second k samples the engine at ~k s after the first request (t starts at 1.0)
+        run_s = np.array([float(r["running"]) for r in rows])
+        wait_s = np.array([float(r["waiting"]) for r in rows])
+        sim_run = np.array([np.sum((sched <= x) & (fin > x)) for x in t])
+        sim_wait = np.array([np.sum((arr <= x) & (sched > x)) for x in t])
+        mea_run = np.array([np.sum((m_sched <= x) & (m_fin > x)) for x in t])
+        out["timeseries"] = {"seconds": len(t), "running_recorded_vs_requests_mae": float(np.mean(np.abs(run_s
+                                                                                                     - mea_run))),
+                             "running_sim_mae": float(np.mean(np.abs(sim_run - run_s))),
+                             "waiting_sim_mae": float(np.mean(np.abs(sim_wait - wait_s))),
+                             "waiting_peak": {"measured": float(wait_s.max()), "sim": float(sim_wait.max())},
+                             "saturated_s": {"measured": int(np.sum(run_s >= np.max(run_s))),
+                                             "sim": int(np.sum(sim_run >= np.max(run_s)))}}
+    return out
+
+
+def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
+    """``experiments.compare``'s comparison for a ground-truth folder: the measured run into ``out/engine``, the
+    simulation of its requests under its settings into ``out/sim``, errors.md / errors.json with the peer's column,
+    diagnostics.json."""
+    from core.metrics import summarize
+    from experiments.build import run_summary_options
+    from experiments.calibration.draws import simulate_draws
+    from experiments.overrides import apply_overrides
+    from experiments.serving.bench_result import write_measured_run
+
+    gt = read_groundtruth(cfg.compare.measured)
+    overrides, how = settings(gt, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    sim_cfg = apply_overrides(cfg, overrides)
+    sim_cfg.workload = OmegaConf.create({"_target_": "core.workload.RequestList", "seed": 0,
+                                         "path": str(write_request_list(gt, out / "request_list.jsonl"))})
+    states = measured_states(gt)
+    measured = summarize(states, **run_summary_options(RunConfig.from_config(sim_cfg)))
+    measured.update(backend="vllm (ground truth)", source=str(gt.directory))
+    write_measured_run(out / "engine", states, measured)
+    sim, draws = simulate_draws(sim_cfg, out / "sim")
+    peer = read_peer(gt.directory / PEER) if (gt.directory / PEER).is_file() else {}
+    rows = error_rows(measured, sim, peer)
+    cost, sched = (OmegaConf.select(sim_cfg, f"{k}._target_").rsplit(".", 1)[-1] for k in ("cost_model", "scheduler"))
+    title = f"sim vs vLLM: {gt.directory.name} on {how['hardware']} (tp {how['tp']}), {cost}, {sched}"
+    md = rows_markdown(rows, title)
+    (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "errors.md").write_text(md)
+    diag = diagnostics(gt, out / "sim")
+    (out / "diagnostics.json").write_text(json.dumps(diag, indent=2) + "\n")
+    log.info(f"ground truth {gt.directory}: {len(gt.requests)} requests; KV {how['kv_blocks']} blocks "
+             f"({how['kv_blocks_how']}); cost model coverage {sim.get('cost_model')}")
+    return {"measured": {"source": str(gt.directory), "backend": "vllm (ground truth)", "settings": how},
+            "calibration": {"path": None, "fitted_here": False}, "errors": rows, "errors_md": md,
+            "sim_metrics": sim, "sim_draws": draws, "diagnostics": diag, "plots": {},
+            "metrics": {"measured": {k: measured[k] for k in METRICS}, "sim": {k: sim[k] for k in METRICS}}}

@@ -1,0 +1,126 @@
+"""A recorded GPU vLLM run (shared/data/gpu-groundtruth/llmservingsim) as compare's measured side: the reader against
+the raw files, the settings it derives, and the end-to-end prediction of the development case."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from core.metrics import summarize
+from core.specs import ModelSpec
+from experiments.build import CONF_DIR
+from experiments.calibration.groundtruth import (
+    VLLM_RESERVED_BYTES,
+    derived_kv_blocks,
+    is_groundtruth,
+    kv_pool,
+    measured_states,
+    read_groundtruth,
+    read_peer,
+    settings,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = next((p for p in (REPO / "shared", REPO.parent / "shared")
+            if (p / "data" / "gpu-groundtruth").is_dir()), REPO / "shared") / "data" / "gpu-groundtruth" / \
+    "llmservingsim" / "RTXPRO6000" / "Llama-3.1-8B"
+pytestmark = pytest.mark.skipif(not is_groundtruth(RUN), reason="shared/data/gpu-groundtruth not present")
+
+
+def compare_cfg(*overrides: str):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("compare", overrides=[f"compare.measured={RUN}", *overrides])
+
+
+def raw_rows() -> list[dict]:
+    return [json.loads(line) for line in (RUN / "vllm_requests.jsonl").read_text().splitlines() if line.strip()]
+
+
+def llama() -> ModelSpec:
+    from omegaconf import OmegaConf
+
+    return ModelSpec.from_mapping(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "llama3_1_8b.yaml")))
+
+
+def test_the_reader_joins_requests_with_their_prompts_on_the_engine_clock():
+    gt = read_groundtruth(RUN)
+    assert len(gt.requests) == 300 and gt.workload.name == "sharegpt-llama-3.1-8b-300-sps10.jsonl"
+    arrivals = [r.arrival_s for r in gt.requests]
+    assert arrivals[0] == 0.0 and all(b >= a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    raw = raw_rows()
+    r0, g0 = raw[5], gt.requests[5]
+    t0 = raw[0]["queued_ts"]
+    assert g0.id == "bench-5" and len(g0.prompt_token_ids) == r0["input_toks"] == 399
+    # TTFT by hand: first token minus queued, both the engine's monotonic clock
+    assert g0.first_token_s - g0.arrival_s == pytest.approx(r0["first_token_ts"] - r0["queued_ts"], abs=1e-9)
+    assert g0.arrival_s == pytest.approx(r0["queued_ts"] - t0, abs=1e-9)
+    assert (g0.last_token_s - g0.first_token_s) / (g0.output_tokens - 1) == pytest.approx(
+        (r0["last_token_ts"] - r0["first_token_ts"]) / (r0["output_toks"] - 1))
+
+
+def test_the_measured_metrics_are_the_peers_vllm_column():
+    """Same definitions as LLMServingSim's validation: its table's vLLM numbers come back (0.1 ms rounding)."""
+    measured = summarize(measured_states(read_groundtruth(RUN)), percentile_method="linear")
+    peer = read_peer(RUN / "validation_summary.txt")
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        for stat in ("mean", "p50", "p90", "p99"):
+            assert measured[metric][stat] == pytest.approx(peer[metric][stat]["vllm"], abs=1e-4), (metric, stat)
+    assert peer["ttft_s"]["p50"] == pytest.approx({"vllm": 9.4427, "sim": 8.6339, "rel_error": -0.086})
+
+
+def test_the_kv_pool_is_recorded_or_derived_as_vllm_sizes_it():
+    m = llama()
+    # 0.9 x 96 GB - 16.06 GB of bf16 weights - vLLM's reserve, in blocks of 16 tokens x 128 KiB
+    by_hand = int((0.9 * 96e9 - 8_030_261_248 * 2 - VLLM_RESERVED_BYTES) // (16 * 131072))
+    assert derived_kv_blocks(m, 1, 96e9) == by_hand == 32949
+    assert derived_kv_blocks(m, 2, 96e9) == int((0.9 * 96e9 - 8_030_261_248 - VLLM_RESERVED_BYTES) // (16 * 65536))
+    gt = read_groundtruth(RUN)
+    blocks, size, how = kv_pool(gt, m, 1, 96e9)
+    assert (blocks, size) == (by_hand, 16) and how.startswith("derived")
+    recorded = dataclasses.replace(gt, meta={**gt.meta, "kv_cache": {"num_gpu_blocks": 2588, "block_size": 16}})
+    assert kv_pool(recorded, m, 1, 96e9)[:2] == (2588, 16)
+    device = dataclasses.replace(gt, meta={**gt.meta, "hardware": {"device_total_memory_bytes": 25_250_627_584}})
+    assert kv_pool(device, m, 1, 96e9)[0] == derived_kv_blocks(m, 1, 25_250_627_584)
+
+
+def test_settings_come_from_the_run():
+    gt = read_groundtruth(RUN)
+    overrides, how = settings(gt, compare_cfg())
+    for o in ("model=llama3_1_8b", "hardware=rtxpro6000", "scheduler=sarathi", "cost_model=profiled",
+              "cost_model.tp=1", "scheduler.max_num_seqs=128", "scheduler.max_num_batched_tokens=2048",
+              "kv.block_size=16", "kv.prefix_caching=true", f"kv.num_blocks={how['kv_blocks']}"):
+        assert o in overrides
+    switched, _ = settings(gt, compare_cfg("compare.groundtruth.scheduler=vllm_prefill_first",
+                                           "compare.groundtruth.overrides=['kv.num_blocks=9000']"))
+    assert "scheduler=vllm_prefill_first" in switched and switched[-1] == "kv.num_blocks=9000"
+
+
+def test_the_development_case_is_predicted_from_the_profiles(tmp_path):
+    """The 300-request RTX PRO 6000 run simulated with its own requests and settings (~3 s): TPOT within 2%,
+    TTFT p90 within 10%, TTFT p50 within 15% (-12.6% measured: docs/calibration.md says where it comes from)."""
+    from experiments.calibration.compare import compare
+
+    summary = compare(compare_cfg(), tmp_path)
+    err = {(r["metric"], r["percentile"]): r["rel_error"] for r in summary["errors"]}
+    for stat in ("p50", "p90"):
+        assert abs(err[("tpot_s", stat)]) < 0.02, stat
+    assert abs(err[("ttft_s", "p90")]) < 0.10 and abs(err[("ttft_s", "p50")]) < 0.15
+    assert "LLMServingSim" in (tmp_path / "errors.md").read_text()
+    metrics = json.loads((tmp_path / "sim" / "metrics.json").read_text())
+    assert metrics["cost_model"]["beyond_grid"] == {} and metrics["num_completed"] == 300
+    diag = json.loads((tmp_path / "diagnostics.json").read_text())
+    assert diag["timeseries"]["running_recorded_vs_requests_mae"] < 1.0  # the timeseries shares the engine clock
+
+
+@pytest.mark.xfail(strict=True, reason="TTFT p50 -12.6%: the first 9 s decode ~13% faster in the simulator "
+                                       "(docs/calibration.md); the goal is 10%")
+def test_the_development_case_reaches_the_ttft_p50_goal(tmp_path):
+    from experiments.calibration.compare import compare
+
+    summary = compare(compare_cfg(), tmp_path)
+    err = {(r["metric"], r["percentile"]): r["rel_error"] for r in summary["errors"]}
+    assert abs(err[("ttft_s", "p50")]) < 0.10
