@@ -239,11 +239,11 @@ def kv_capacity_gain(m: ModelSpec, kv_bits: int) -> float:
 
 def kv_heads_per_device(m: ModelSpec, tp: int) -> int:
     """KV heads each tensor-parallel device stores; replicated when tp > Hkv (as vLLM does)."""
-    check_int(tp, "cost_model.tp", 1)
+    check_int(tp, "parallel.tp", 1)
     if m.num_heads % tp:
-        raise ValueError(f"cost_model.tp={tp} must divide model.num_heads={m.num_heads}")
+        raise ValueError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads}")
     if m.num_kv_heads % tp and tp % m.num_kv_heads:
-        raise ValueError(f"cost_model.tp={tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other")
+        raise ValueError(f"parallel.tp={tp} and model.num_kv_heads={m.num_kv_heads}: one must divide the other")
     return max(1, m.num_kv_heads // tp)
 
 

@@ -86,6 +86,48 @@ class KVConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """``parallel``: how one replica spreads over devices, read by both backends. ``tp`` tensor-parallel ranks (heads
+    and FFN split, two all-reduces per layer), ``pp`` pipeline stages (layers split), ``dp`` attention data-parallel
+    ranks (each schedules its own batch; they meet at the MoE layers), ``ep`` the expert-parallel degree of MoE
+    layers (experts split over the tp x dp ranks, as vLLM's --enable-expert-parallel). A replica takes
+    tp x pp x dp devices."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp", "ep"):
+            check_int(getattr(self, key), f"parallel.{key}", 1)
+        if (self.tp * self.dp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.tp x parallel.dp = {self.tp * self.dp} "
+                             "(experts are split over the tensor- and data-parallel ranks)")
+
+    @property
+    def devices(self) -> int:
+        """Devices one replica takes."""
+        return self.tp * self.pp * self.dp
+
+    def check(self, model: ModelSpec) -> None:
+        """What the model's shapes allow: heads divisible by tp, KV heads divisible by tp or tp by them (replicated,
+        as vLLM does), at least one layer per stage, experts divisible by ep; ep and dp > 1 need an MoE model."""
+        if model.num_heads % self.tp:
+            raise ValueError(f"parallel.tp={self.tp} must divide model.num_heads={model.num_heads}")
+        if model.num_kv_heads % self.tp and self.tp % model.num_kv_heads:
+            raise ValueError(f"parallel.tp={self.tp} and model.num_kv_heads={model.num_kv_heads}: one must divide "
+                             "the other")
+        if self.pp > model.num_layers:
+            raise ValueError(f"parallel.pp={self.pp} stages > model.num_layers={model.num_layers}")
+        moe = model.moe
+        if self.ep > 1 and moe is None:
+            raise ValueError(f"parallel.ep={self.ep}: model {model.name} has no experts (a dense model: ep=1)")
+        if moe is not None and moe.num_experts % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide the model's {moe.num_experts} experts")
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     """``output``: which files and figures a run writes."""
 
@@ -273,6 +315,7 @@ class RunConfig:
     hardware: HardwareSpec
     kv: KVConfig
     quant: QuantSpec
+    parallel: ParallelConfig
     limits: SchedulerLimits
     cluster: ClusterConfig
     speculation: SpeculationConfig
@@ -299,8 +342,13 @@ class RunConfig:
         if engine is not None:
             engine.check_quant(quant, model)
         kv = _record(KVConfig, "kv", cfg.kv)
+        parallel = _record(ParallelConfig, "parallel", cfg.get("parallel"))
+        parallel.check(model)
+        if engine is not None and parallel.devices * parallel.ep > 1:
+            raise ValueError(f"parallel={parallel}: the engine runs one device per replica; parallel deployments "
+                             "are simulated (backend=sim)")
         return cls(
-            config=cfg, backend=backend, model=model, hardware=hardware, kv=kv, quant=quant,
+            config=cfg, backend=backend, model=model, hardware=hardware, kv=kv, quant=quant, parallel=parallel,
             limits=scheduler_limits(cfg, model, engine),
             cluster=ClusterConfig.from_config(cfg, hardware, priced=backend == "sim"),
             speculation=SpeculationConfig.from_config(cfg.get("spec"), model),
@@ -401,7 +449,7 @@ def num_host_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec) -> int:
 
 
 # ---- Hydra structured configs ----------------------------------------------------------------------------------------
-SCHEMAS = {"kv": KVConfig, "quant": QuantSpec, "output": OutputConfig, "metrics": MetricsConfig}
+SCHEMAS = {"kv": KVConfig, "quant": QuantSpec, "parallel": ParallelConfig, "output": OutputConfig, "metrics": MetricsConfig}
 
 
 def _put(obj: Any, key: str, value: Any) -> None:

@@ -1,6 +1,6 @@
 """Do the arithmetic first: weight and KV bytes, KV capacity, and roofline prefill/decode bounds per batch size.
 
-    python -m experiments.estimate model=llama2_70b hardware=h100 cost_model.tp=4 cost_model.weight_bits=4
+    python -m experiments.estimate model=llama2_70b hardware=h100 parallel.tp=4 quant.weight_bits=4
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     kv = gt.meta.get("kv_cache") or {}
     prefix = kv.get("enable_prefix_caching", e.get("enable_prefix_caching", True))
     out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={g.get('scheduler', 'sarathi')}",
-           f"cost_model={g.get('cost_model', 'profiled')}", f"cost_model.tp={tp}",
+           f"cost_model={g.get('cost_model', 'profiled')}", f"parallel.tp={tp}",
            f"scheduler.max_num_seqs={int(e['max_num_seqs'])}",
            f"scheduler.max_num_batched_tokens={int(e['max_num_batched_tokens'])}",
            f"kv.num_blocks={blocks}", f"kv.block_size={block}", f"kv.prefix_caching={str(bool(prefix)).lower()}",

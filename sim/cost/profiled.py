@@ -455,7 +455,7 @@ def load_tables(variant_dir: str, tp: int) -> ProfileTables:
     d = root / f"tp{tp}"
     if not d.is_dir():
         have = sorted(p.name for p in root.glob("tp*") if p.is_dir())
-        raise ValueError(f"cost_model.tp={tp}: no {d.name}/ in {root}; profiled: {have}")
+        raise ValueError(f"parallel.tp={tp}: no {d.name}/ in {root}; profiled: {have}")
     skew = None
     fit = meta.get("skew_fit") or {}
     if fit.get("enabled") and (d / "skew_fit.csv").is_file():
@@ -532,7 +532,7 @@ class OperatorProfileCostModel:
                  num_experts: int | None = None, experts_per_token: int | None = None) -> None:
         m, hw = as_model_spec(model), as_hardware_spec(hardware)
         self.model, self.hardware = m, hw
-        self.tp = check_int(tp, "cost_model.tp", 1)
+        self.tp = check_int(tp, "parallel.tp", 1)
         self.overhead_s = check_float(overhead_s, "cost_model.overhead_s", 0.0)
         self.allreduce_latency_s = check_float(allreduce_latency_s, "cost_model.allreduce_latency_s", 0.0)
         self.skew = bool(skew)
@@ -545,7 +545,7 @@ class OperatorProfileCostModel:
         check_shapes(tables.meta, m, folder)
         self.roofline = RooflineCostModel(m, hw, tp=self.tp)
         if self.tp > 1 and hw.interconnect_bw <= 0:
-            raise ValueError(f"cost_model.tp={self.tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
+            raise ValueError(f"parallel.tp={self.tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
         ring = 2 * (self.tp - 1) / self.tp
         self._allreduce_per_token = ring * m.hidden_size * ar.act_bytes(m) / hw.interconnect_bw if self.tp > 1 else 0.0
         self.experts: tuple[int, int] | None = None

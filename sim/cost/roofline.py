@@ -62,7 +62,7 @@ class RooflineCostModel:
         self.weight_bits, self.kv_bits, self.group_size = weight_bits, kv_bits, group_size
         ar.kv_heads_per_device(m, tp)  # validates tp
         if tp > 1 and hw.interconnect_bw <= 0:
-            raise ValueError(f"cost_model.tp={tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
+            raise ValueError(f"parallel.tp={tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
         self.tp = tp
 
         self._flop_rate = hw.peak_flops * self.compute_eff

@@ -103,3 +103,17 @@ def test_twinserve_names_every_command():
     out = subprocess.run([sys.executable, "-c", "from experiments.cli import twinserve; raise SystemExit(twinserve())",
                           "run", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "== Config ==" in out.stdout
+
+
+def test_parallel_is_checked_against_the_model():
+    run = RunConfig.from_config(composed("model=llama3_8b", "hardware=h100", "cost_model=roofline", "parallel.tp=4",
+                                         "parallel.pp=2"))
+    assert run.parallel.devices == 8 and run.config.cost_model.tp == 4  # the roofline reads parallel.tp
+    with pytest.raises(ValueError, match="parallel.tp=3 must divide model.num_heads=32"):
+        RunConfig.from_config(composed("model=llama3_8b", "hardware=h100", "parallel.tp=3"))
+    with pytest.raises(ValueError, match="parallel.ep=2: model llama3_8b has no experts"):
+        RunConfig.from_config(composed("model=llama3_8b", "hardware=h100", "parallel.tp=2", "parallel.ep=2"))
+    with pytest.raises(ValueError, match="parallel.ep=4 must divide parallel.tp x parallel.dp = 2"):
+        RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=4"))
+    moe = RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=2"))
+    assert moe.parallel.ep == 2

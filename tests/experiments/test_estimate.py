@@ -75,7 +75,7 @@ def test_main_prints_table_and_json(capsys):
     main(_compose("model=tiny", "hardware=cpu", "estimate.batch_sizes=[1,4]"))
     out = capsys.readouterr().out
     assert "tiny on cpu" in out and "tok/s est" in out
-    main(_compose("estimate.json=true", "cost_model.weight_bits=4", "cost_model.tp=2"))
+    main(_compose("estimate.json=true", "quant.weight_bits=4", "parallel.tp=2"))
     r = json.loads(capsys.readouterr().out)
     assert (r["model"], r["hardware"], r["tp"], r["weight_bits"]) == ("llama3_8b", "h100", 2, 4)
     assert [d["batch_size"] for d in r["decode"]] == [1, 8, 32, 128, 256]

@@ -91,7 +91,7 @@ def test_settings_come_from_the_run():
     gt = read_groundtruth(RUN)
     overrides, how = settings(gt, compare_cfg())
     for o in ("model=llama3_1_8b", "hardware=rtxpro6000", "scheduler=sarathi", "cost_model=profiled",
-              "cost_model.tp=1", "scheduler.max_num_seqs=128", "scheduler.max_num_batched_tokens=2048",
+              "parallel.tp=1", "scheduler.max_num_seqs=128", "scheduler.max_num_batched_tokens=2048",
               "kv.block_size=16", "kv.prefix_caching=true", f"kv.num_blocks={how['kv_blocks']}"):
         assert o in overrides
     switched, _ = settings(gt, compare_cfg("compare.groundtruth.scheduler=vllm_prefill_first",
