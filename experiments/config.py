@@ -449,7 +449,8 @@ def num_host_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec) -> int:
 
 
 # ---- Hydra structured configs ----------------------------------------------------------------------------------------
-SCHEMAS = {"kv": KVConfig, "quant": QuantSpec, "parallel": ParallelConfig, "output": OutputConfig, "metrics": MetricsConfig}
+SCHEMAS = {"kv": KVConfig, "quant": QuantSpec, "parallel": ParallelConfig, "output": OutputConfig,
+           "metrics": MetricsConfig}
 
 
 def _put(obj: Any, key: str, value: Any) -> None:
