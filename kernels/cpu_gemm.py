@@ -1,8 +1,8 @@
 """CPU fp32 linear layers: which GEMM runs at which row count, and the native small-M GEMM (tw_gemm, cpu_native.c).
 
 Decode steps run GEMMs of a few rows over weights far larger than the caches, so they are bound by how fast the
-weights stream from DRAM. Measured on this project's machines (docs/cpu_notes.md), one thread, the 17 GEMMs of a
-decode step of the 44M Llama:
+weights stream from DRAM. Measured on this project's machines (docs/measurements/cpu_engine.md), one thread, the 17
+GEMMs of a decode step of the 44M Llama:
 - NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows: the native kernel, over a panel-packed copy of the weight (on huge pages)
   with software prefetch (oneDNN's packed GEMM leaves the weight stream short of bandwidth at these sizes): decode
   steps take 12-16% less time at batch 8 and 32 than on oneDNN.

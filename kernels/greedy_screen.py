@@ -10,7 +10,7 @@ by more than the bound, up to all of them when it does not).
 Why: the LM head is the largest weight a small model's decode step reads (32000 x 512 fp32 is 65.5 MB against
 47 MB for all layers of the 44M Llama) and at batch 32 the largest GEMM. The int8 copy is a quarter of those bytes
 and int8 multiply-adds run at 2-4x the fp32 rate (AVX-512 VNNI: 64 per instruction; AVX2: 32 per two). Measured
-in docs/cpu_notes.md.
+in docs/measurements/cpu_engine.md.
 
 The cost is memory: the int8 panels (N K bytes) and a row-major fp32 copy of the weight when the model's own is
 not row-major (the recomputed rows are read one by one).
