@@ -23,7 +23,8 @@ Engine settings of the simulation (``settings``): model and hardware from the ru
 ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` from engine_kwargs, block size 16 and prefix
 caching on (vLLM v1's defaults; ``kv_cache`` when recorded), the KV pool as recorded (``kv_cache.num_gpu_blocks``) or
 derived as vLLM sizes it (``derived_kv_blocks``), the scheduler and cost model of ``compare.groundtruth``
-(sarathi and profiled by default; ``compare.groundtruth.scheduler=vllm_v1`` switches), percentiles interpolated
+(``vllm_v1`` and ``profiled`` by default; with vllm_v1 also ``kv.prefix_cache_mode=vllm`` and the recorded
+``long_prefill_token_threshold`` / ``enable_chunked_prefill``, ``scheduler_config``), percentiles interpolated
 linearly (numpy's, the bench's).
 """
 
@@ -59,6 +60,7 @@ VLLM_RESERVED_BYTES = 1.24e9
 VLLM_BLOCK_SIZE = 16  # vLLM v1's default KV block
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
+VLLM_V1_KEYS = ("long_prefill_token_threshold", "max_num_partial_prefills", "enable_chunked_prefill")
 PEER_NAMES = {"TTFT": "ttft_s", "TPOT": "tpot_s", "Latency": "e2e_s"}
 PEER_STATS = {"Mean": "mean", "Median": "p50", "P90": "p90", "P95": "p95", "P99": "p99"}
 
@@ -206,6 +208,31 @@ def kv_pool(gt: GroundTruth, model: ModelSpec, tp: int, hardware_bytes: float,
     return blocks, block, how
 
 
+def scheduler_config(gt: GroundTruth) -> dict[str, Any]:
+    """vLLM's SchedulerConfig as the run resolved it (``resolved_config.scheduler_config`` of newer recordings), with
+    what engine_kwargs states on top; {} for neither."""
+    resolved = (gt.meta.get("resolved_config") or {}).get("scheduler_config")
+    out = dict(resolved) if isinstance(resolved, Mapping) else {}
+    out.update({k: v for k, v in gt.engine.items() if k in VLLM_V1_KEYS and v is not None})
+    return out
+
+
+def vllm_v1_settings(gt: GroundTruth) -> list[str]:
+    """``scheduler=vllm_v1``'s keys from the run's scheduler config where recorded (else vLLM 0.19's defaults,
+    which are the option's: one partial prefill, no long-prefill cap, chunked prefill on), and vLLM's prefix-cache
+    semantics (``kv.prefix_cache_mode=vllm``: blocks hashed and shared as vLLM's block pool does)."""
+    sc = scheduler_config(gt)
+    partial = int(sc.get("max_num_partial_prefills") or 1)
+    if partial != 1:
+        raise ValueError(f"{gt.directory}: max_num_partial_prefills={partial} is not mirrored by scheduler=vllm_v1")
+    out = ["kv.prefix_cache_mode=vllm"]
+    if sc.get("long_prefill_token_threshold") is not None:
+        out.append(f"scheduler.long_prefill_token_threshold={int(sc['long_prefill_token_threshold'])}")
+    if sc.get("enable_chunked_prefill") is not None:
+        out.append(f"scheduler.enable_chunked_prefill={str(bool(sc['enable_chunked_prefill'])).lower()}")
+    return out
+
+
 def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any]]:
     """Overrides that make ``cfg`` simulate the run (see the module docstring), and what they were derived from."""
     g = cfg.compare.get("groundtruth") or {}
@@ -223,7 +250,8 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     blocks, block, how = kv_pool(gt, model, tp, hw_bytes, float(g.get("kv_reserved_bytes", VLLM_RESERVED_BYTES)))
     kv = gt.meta.get("kv_cache") or {}
     prefix = kv.get("enable_prefix_caching", e.get("enable_prefix_caching", True))
-    out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={g.get('scheduler', 'sarathi')}",
+    scheduler = str(g.get("scheduler", "vllm_v1"))
+    out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={scheduler}",
            f"cost_model={g.get('cost_model', 'profiled')}", f"parallel.tp={tp}",
            f"scheduler.max_num_seqs={int(e['max_num_seqs'])}",
            f"scheduler.max_num_batched_tokens={int(e['max_num_batched_tokens'])}",
@@ -232,6 +260,8 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
            "metrics.percentile_method=linear", "backend=sim"]
     if e.get("max_model_len"):
         out.append(f"model.max_model_len={int(e['max_model_len'])}")
+    if scheduler == "vllm_v1":
+        out += vllm_v1_settings(gt)
     out += [str(o) for o in g.get("overrides") or ()]
     return out, {"model": model_opt, "hardware": hw_opt, "tp": tp, "kv_blocks": blocks, "kv_blocks_how": how,
                  "kv_tokens": blocks * block, "workload": str(gt.workload), "overrides": out}
