@@ -295,14 +295,21 @@ def error_rows(measured: Mapping[str, Any], sim: Mapping[str, Any],
 
 
 def rows_markdown(rows: Sequence[Mapping[str, Any]], title: str) -> str:
+    """The error table, the peer beside; with a prediction band (step-noise draws) the band and whether vLLM's
+    value is inside it."""
+    from experiments.calibration.draws import band_cells, band_summary
+
     def num(v: float | None, pct: bool = False) -> str:
         return "n/a" if v is None else f"{v:+.1%}" if pct else f"{v:.4g}"
 
-    lines = [f"### {title}", "", "| metric | stat | vLLM (measured) | twinserve | error | LLMServingSim | its error |",
-             "|---|---|---|---|---|---|---|"]
+    banded = any(r.get("band_low") is not None for r in rows)
+    lines = [f"### {title}", "", "| metric | stat | vLLM (measured) | twinserve | error | LLMServingSim | its error |"
+             + (" twinserve band | inside |" if banded else ""), "|---|---|---|---|---|---|---|"
+             + ("---|---|" if banded else "")]
     lines += [f"| {r['metric']} | {r['percentile']} | {num(r['engine'])} | {num(r['sim'])} | "
-              f"{num(r['rel_error'], True)} | {num(r['peer_sim'])} | {num(r['peer_rel_error'], True)} |" for r in rows]
-    return "\n".join(lines) + "\n"
+              f"{num(r['rel_error'], True)} | {num(r['peer_sim'])} | {num(r['peer_rel_error'], True)} |"
+              + (band_cells(r) if banded else "") for r in rows]
+    return "\n".join(lines) + "\n" + ("\n" + band_summary(rows) + "\n" if banded else "")
 
 
 def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
@@ -359,7 +366,7 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     diagnostics.json."""
     from core.metrics import summarize
     from experiments.build import run_summary_options
-    from experiments.calibration.draws import simulate_draws
+    from experiments.calibration.draws import band_summary, simulate_draws, with_band
     from experiments.overrides import apply_overrides
     from experiments.serving.bench_result import write_measured_run
 
@@ -375,7 +382,7 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     write_measured_run(out / "engine", states, measured)
     sim, draws = simulate_draws(sim_cfg, out / "sim")
     peer = read_peer(gt.directory / PEER) if (gt.directory / PEER).is_file() else {}
-    rows = error_rows(measured, sim, peer)
+    rows = with_band(error_rows(measured, sim, peer), (draws or {}).get("band"))
     cost, sched = (OmegaConf.select(sim_cfg, f"{k}._target_").rsplit(".", 1)[-1] for k in ("cost_model", "scheduler"))
     title = f"sim vs vLLM: {gt.directory.name} on {how['hardware']} (tp {how['tp']}), {cost}, {sched}"
     md = rows_markdown(rows, title)
@@ -387,5 +394,6 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
              f"({how['kv_blocks_how']}); cost model coverage {sim.get('cost_model')}")
     return {"measured": {"source": str(gt.directory), "backend": "vllm (ground truth)", "settings": how},
             "calibration": {"path": None, "fitted_here": False}, "errors": rows, "errors_md": md,
+            "in_band": band_summary(rows),
             "sim_metrics": sim, "sim_draws": draws, "diagnostics": diag, "plots": {},
             "metrics": {"measured": {k: measured[k] for k in METRICS}, "sim": {k: sim[k] for k in METRICS}}}
