@@ -313,8 +313,8 @@ def rows_markdown(rows: Sequence[Mapping[str, Any]], title: str) -> str:
 
 
 def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
-    """Where simulated and measured runs part: per-request queueing (first scheduled - arrival) and TTFT, and the
-    running / waiting counts each second against ``vllm_timeseries.csv``."""
+    """Where simulated and measured runs part: per-request queueing (first scheduled - arrival) and TTFT, the TTFT
+    of requests neither side queued, and the running / waiting counts each second against ``vllm_timeseries.csv``."""
     from core.output import read_requests
 
     sim = read_requests(sim_dir)
@@ -338,6 +338,14 @@ def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
         "end_s": {"measured": float(m_fin.max()), "sim": float(fin.max())},
         "cached_tokens": int(np.sum(np.asarray(sim["cached_tokens"]))) if "cached_tokens" in sim else None,
     }
+    # requests neither side queued (scheduled within 1 ms of arrival in vLLM, within one step in the simulation):
+    # their TTFT difference is the step time plus what vLLM does around it (async scheduling's in-flight step)
+    free = (m_sched - m_arr < 1e-3) & (sched - arr < np.median(first - sched))
+    if np.any(free):
+        out["unqueued"] = {"requests": int(np.sum(free)),
+                           "ttft_measured_p50_s": float(np.median((m_first - m_arr)[free])),
+                           "ttft_sim_p50_s": float(np.median((first - arr)[free])),
+                           "ttft_diff_p50_s": float(np.median(((first - arr) - (m_first - m_arr))[free]))}
     ts = gt.directory / TIMESERIES
     if ts.is_file():
         import csv
