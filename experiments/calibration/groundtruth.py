@@ -23,8 +23,9 @@ Engine settings of the simulation (``settings``): model and hardware from the ru
 ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` from engine_kwargs, block size 16 and prefix
 caching on (vLLM v1's defaults; ``kv_cache`` when recorded), the KV pool as recorded (``kv_cache.num_gpu_blocks``) or
 derived as vLLM sizes it (``derived_kv_blocks``), the scheduler and cost model of ``compare.groundtruth``
-(``vllm_v1`` and ``profiled`` by default; with vllm_v1 also ``kv.prefix_cache_mode=vllm`` and the recorded
-``long_prefill_token_threshold`` / ``enable_chunked_prefill``, ``scheduler_config``), percentiles interpolated
+(``vllm_v1`` and ``profiled`` by default; with vllm_v1 also ``kv.prefix_cache_mode=vllm``, the recorded
+``long_prefill_token_threshold`` / ``enable_chunked_prefill`` and ``async_scheduling`` (``scheduler_config``; vLLM's
+default by version otherwise)), percentiles interpolated
 linearly (numpy's, the bench's).
 """
 
@@ -60,7 +61,8 @@ VLLM_RESERVED_BYTES = 1.24e9
 VLLM_BLOCK_SIZE = 16  # vLLM v1's default KV block
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
-VLLM_V1_KEYS = ("long_prefill_token_threshold", "max_num_partial_prefills", "enable_chunked_prefill")
+VLLM_V1_KEYS = ("long_prefill_token_threshold", "max_num_partial_prefills", "enable_chunked_prefill",
+                "async_scheduling")
 PEER_NAMES = {"TTFT": "ttft_s", "TPOT": "tpot_s", "Latency": "e2e_s"}
 PEER_STATS = {"Mean": "mean", "Median": "p50", "P90": "p90", "P95": "p95", "P99": "p99"}
 
@@ -219,8 +221,11 @@ def scheduler_config(gt: GroundTruth) -> dict[str, Any]:
 
 def vllm_v1_settings(gt: GroundTruth) -> list[str]:
     """``scheduler=vllm_v1``'s keys from the run's scheduler config where recorded (else vLLM 0.19's defaults,
-    which are the option's: one partial prefill, no long-prefill cap, chunked prefill on), and vLLM's prefix-cache
-    semantics (``kv.prefix_cache_mode=vllm``: blocks hashed and shared as vLLM's block pool does)."""
+    which are the option's: one partial prefill, no long-prefill cap, chunked prefill on; async scheduling on for
+    vLLM >= 0.12), and vLLM's prefix-cache semantics (``kv.prefix_cache_mode=vllm``: blocks hashed and shared as
+    vLLM's block pool does). Async scheduling shows in the recordings: an unqueued request's ``scheduled_ts`` equals
+    its ``queued_ts`` (the engine core stamps both between steps), and its first step is the one after the step then
+    running (diagnostics.json ``unqueued``)."""
     sc = scheduler_config(gt)
     partial = int(sc.get("max_num_partial_prefills") or 1)
     if partial != 1:
@@ -230,7 +235,22 @@ def vllm_v1_settings(gt: GroundTruth) -> list[str]:
         out.append(f"scheduler.long_prefill_token_threshold={int(sc['long_prefill_token_threshold'])}")
     if sc.get("enable_chunked_prefill") is not None:
         out.append(f"scheduler.enable_chunked_prefill={str(bool(sc['enable_chunked_prefill'])).lower()}")
+    async_on = sc.get("async_scheduling")
+    if async_on is None:  # vLLM's default: on since 0.12 (vllm-project/vllm#27614) for the engine core it runs in
+        async_on = _version(str(gt.meta.get("vllm_version") or "0")) >= (0, 12)
+    out.append(f"scheduler.async_scheduling={str(bool(async_on)).lower()}")
     return out
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'0.19.0' -> (0, 19, 0); digits only, whatever follows them ('0.11.1rc2' -> (0, 11, 1))."""
+    parts = []
+    for p in text.split(".")[:3]:
+        m = re.match(r"\d+", p)
+        if not m:
+            break
+        parts.append(int(m[0]))
+    return tuple(parts)
 
 
 def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any]]:
