@@ -9,6 +9,7 @@ Both backends drive it with the same loop::
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -137,6 +138,8 @@ class Replica:
         self._view = ReplicaSchedulerView(self, 0.0)
         self._last_hashed: tuple[Request | None, list[int]] = (None, [])
         self._aborts: dict[str, tuple[RequestState, Status, str]] = {}  # running requests to end at next schedule()
+        self._async = bool(getattr(scheduler, "async_scheduling", False))  # vLLM's step-ahead scheduling (below)
+        self._queued_s = {}
 
 
     # ---- requests in ---------------------------------------------------------------------------------------
@@ -159,6 +162,8 @@ class Replica:
             return state
         state.block_hashes = self._hashes(request)
         state.stop_token_ids = self._stop_ids(request)
+        if self._async:
+            self._queued_s[state.id] = now
         self.waiting.append(state)
         self._interrupt_decode_run()
         return state
@@ -208,7 +213,17 @@ class Replica:
             self._expire(now)
         view = self._view  # one object reused every step (cheaper than building one per step)
         view.now, view.preempted, view.blocked = now, [], None
+        hidden = self._hide_for_async() if self._async else None
         batch = self.scheduler.schedule(view)
+        if hidden:
+            self.waiting.extend(hidden)
+            if batch.empty and not view.preempted:  # nothing in flight to wait behind: vLLM schedules them now
+                view.preempted, view.blocked = [], None
+                batch = self.scheduler.schedule(view)
+        if self._async:
+            self._prev_start = now if not batch.empty else math.inf
+            for state in batch.chunks:
+                self._queued_s.pop(state.state.id, None)
         batch.preempted = view.preempted
         host = self.kv.host
         if host is not None and host.has_copies and not batch.empty:
@@ -256,8 +271,10 @@ class Replica:
                 self.kv.trim(state, state.num_computed_tokens)  # blocks that held only rejected drafts
         if pos != len(tokens) or (counts is not None and next(counts, None) is not None):
             raise RuntimeError(f"executor returned {len(tokens)} tokens; the batch samples {pos}")
+        self._held_seats = 0
         if finished:
             done = [s for s in self.running if s.status is Status.FINISHED]
+            self._held_seats = len(done)
             self.running[:] = [s for s in self.running if s.status is not Status.FINISHED]
             for state in done:
                 self._end(state, Status.FINISHED, end_s)
@@ -288,6 +305,8 @@ class Replica:
         # reach (e.g. the idle-replica rejection right at an arrival); a request never ends before it arrives
         state.finish_s = max(now, state.request.arrival_s)
         state.reason = reason
+        if self._async:
+            self._queued_s.pop(state.id, None)
         self.kv.free(state, now)
         self.on_terminal(state, now)
 
@@ -363,6 +382,32 @@ class Replica:
             self._last_hashed = (request, block_hashes(request, self.kv.block_size))
         return self._last_hashed[1]
 
+    # ---- vLLM v1's async scheduling (a scheduler whose ``async_scheduling`` is true) ---------------------------
+    # vLLM >= 0.12 schedules step k+1 while step k runs (the engine core queues two batches; AsyncScheduler): the
+    # scheduler deciding step k+1 has seen neither the requests that arrived during step k nor the seats that
+    # requests finishing in step k free. So a request queued while a step runs joins the batch after the next one,
+    # and a finished request's seat is reused one step later. KV blocks are freed as without it (not lagged).
+    _prev_start = math.inf  # start of the step that ran last (inf: the replica was idle, so nothing is in flight)
+    _held_seats = 0  # requests the last step finished: their seats count once more
+    _queued_s: dict[str, float]  # when each waiting request reached this replica
+
+    def _hide_for_async(self) -> list[RequestState]:
+        """Take off the waiting queue's tail what the step-ahead scheduler cannot see yet: requests queued after
+        the last step started (the tail: new requests are appended, preempted ones go to the head), and beyond the
+        seats the last step's finished requests still hold. Returned in order, to be put back after scheduling."""
+        waiting, queued = self.waiting, self._queued_s
+        seats = max(0, self.limits.max_num_seqs - len(self.running) - self._held_seats)
+        k = 0
+        for state in waiting:
+            if k >= seats or queued.get(state.id, -math.inf) > self._prev_start:
+                break
+            k += 1
+        hidden = []
+        while len(waiting) > k:
+            hidden.append(waiting.pop())
+        hidden.reverse()
+        return hidden
+
     # ---- decode fast-forward (core.fast_forward) -------------------------------------------------------------
     _decode_run: DecodeRun | None = None  # the fast-forward in progress (class default: none)
     _steady: bool | None = None  # whether the scheduler declares SteadyDecodeScheduler (checked once)
@@ -375,7 +420,7 @@ class Replica:
         # with a host tier a fast-forwarded allocation could spill evicted blocks, whose copies no batch would carry;
         # a pool that publishes blocks when scheduled (vLLM's) would have to hash each decode's new block as its
         # step starts, which the run does not do
-        if not running or self._aborts or self._decode_run is not None or self.kv.host is not None \
+        if not running or self._aborts or self._decode_run is not None or self.kv.host is not None or self._async \
                 or self.kv.publishes_on_schedule or len(running) > self.limits.max_num_batched_tokens:
             return None
         for state in running:

@@ -47,7 +47,7 @@ from core.output import has_table, read_metrics, read_step_features, read_timing
 from experiments.build import run_summary_options
 from experiments.calibration import groundtruth
 from experiments.calibration.calibrate import calibrate, describe, group_of
-from experiments.calibration.draws import headline, simulate_draws
+from experiments.calibration.draws import band_cells, band_summary, headline, simulate_draws, with_band
 from experiments.calibration.interleave import run_interleaved
 from experiments.calibration.profiler import run_profile
 from experiments.cli import hydra_app
@@ -104,11 +104,16 @@ def _num(v: float | None, pct: bool = False) -> str:
 
 
 def errors_markdown(rows: Sequence[Mapping[str, Any]], title: str = "sim vs engine", reference: str = "engine") -> str:
-    """``reference``: what the measured column is (the engine, or a black box's label)."""
+    """``reference``: what the measured column is (the engine, or a black box's label). With a prediction band
+    (step-noise draws) two more columns: the band and whether the measured value falls inside it."""
+    banded = any(r.get("band_low") is not None for r in rows)
     header = f"| metric | percentile | {reference} | sim | rel. error (sim - {reference}) / {reference} |"
-    lines = [f"### {title}", "", header, "|---|---|---|---|---|"]
+    header += " sim band | inside |" if banded else ""
+    lines = [f"### {title}", "", header, "|---|---|---|---|---|" + ("---|---|" if banded else "")]
     lines += [f"| {r['metric']} | {r['percentile']} | {_num(r['engine'])} | {_num(r['sim'])} | "
-              f"{_num(r['rel_error'], True)} |" for r in rows]
+              f"{_num(r['rel_error'], True)} |" + (band_cells(r) if banded else "") for r in rows]
+    if banded:
+        lines += ["", band_summary(rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -221,8 +226,9 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
         sim_cfg = apply_overrides(sim_cfg, drafts)
         summary["draft_acceptance_alpha"] = engine["draft_acceptance_alpha"]
     sim, summary["sim_draws"] = simulate_draws(sim_cfg, out / "sim")
-    rows = percentile_errors(engine, sim, list(c.metrics), list(c.percentiles))
-    summary["errors"], summary["sim_metrics"] = rows, sim
+    rows = with_band(percentile_errors(engine, sim, list(c.metrics), list(c.percentiles)),
+                     (summary["sim_draws"] or {}).get("band"))
+    summary["errors"], summary["sim_metrics"], summary["in_band"] = rows, sim, band_summary(rows)
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "errors.md").write_text(errors_markdown(rows))
     steps_report, scatter = step_errors(cost_model, out / "engine")
@@ -260,8 +266,9 @@ def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str,
         raise ValueError("compare.measured needs compare.calibration=<linear.yaml> or calibrate.runs=[...] "
                          "(request-level profiling runs against the same server)")
     sim, summary["sim_draws"] = simulate_draws(with_calibration(cfg, cal_path), out / "sim")
-    rows = percentile_errors(measured, sim, list(c.metrics), list(c.percentiles))
-    summary["errors"], summary["sim_metrics"] = rows, sim
+    rows = with_band(percentile_errors(measured, sim, list(c.metrics), list(c.percentiles)),
+                     (summary["sim_draws"] or {}).get("band"))
+    summary["errors"], summary["sim_metrics"], summary["in_band"] = rows, sim, band_summary(rows)
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "errors.md").write_text(errors_markdown(rows, title="sim vs measured", reference="measured"))
     summary["metrics"] = {"measured": headline(measured), "sim": headline(sim)}

@@ -23,7 +23,9 @@ Engine settings of the simulation (``settings``): model and hardware from the ru
 ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` from engine_kwargs, block size 16 and prefix
 caching on (vLLM v1's defaults; ``kv_cache`` when recorded), the KV pool as recorded (``kv_cache.num_gpu_blocks``) or
 derived as vLLM sizes it (``derived_kv_blocks``), the scheduler and cost model of ``compare.groundtruth``
-(sarathi and profiled by default; ``compare.groundtruth.scheduler=vllm_v1`` switches), percentiles interpolated
+(``vllm_v1`` and ``profiled`` by default; with vllm_v1 also ``kv.prefix_cache_mode=vllm``, the recorded
+``long_prefill_token_threshold`` / ``enable_chunked_prefill`` and ``async_scheduling`` (``scheduler_config``; vLLM's
+default by version otherwise)), percentiles interpolated
 linearly (numpy's, the bench's).
 """
 
@@ -59,6 +61,8 @@ VLLM_RESERVED_BYTES = 1.24e9
 VLLM_BLOCK_SIZE = 16  # vLLM v1's default KV block
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
+VLLM_V1_KEYS = ("long_prefill_token_threshold", "max_num_partial_prefills", "enable_chunked_prefill",
+                "async_scheduling")
 PEER_NAMES = {"TTFT": "ttft_s", "TPOT": "tpot_s", "Latency": "e2e_s"}
 PEER_STATS = {"Mean": "mean", "Median": "p50", "P90": "p90", "P95": "p95", "P99": "p99"}
 
@@ -206,6 +210,49 @@ def kv_pool(gt: GroundTruth, model: ModelSpec, tp: int, hardware_bytes: float,
     return blocks, block, how
 
 
+def scheduler_config(gt: GroundTruth) -> dict[str, Any]:
+    """vLLM's SchedulerConfig as the run resolved it (``resolved_config.scheduler_config`` of newer recordings), with
+    what engine_kwargs states on top; {} for neither."""
+    resolved = (gt.meta.get("resolved_config") or {}).get("scheduler_config")
+    out = dict(resolved) if isinstance(resolved, Mapping) else {}
+    out.update({k: v for k, v in gt.engine.items() if k in VLLM_V1_KEYS and v is not None})
+    return out
+
+
+def vllm_v1_settings(gt: GroundTruth) -> list[str]:
+    """``scheduler=vllm_v1``'s keys from the run's scheduler config where recorded (else vLLM 0.19's defaults,
+    which are the option's: one partial prefill, no long-prefill cap, chunked prefill on; async scheduling on for
+    vLLM >= 0.12), and vLLM's prefix-cache semantics (``kv.prefix_cache_mode=vllm``: blocks hashed and shared as
+    vLLM's block pool does). Async scheduling shows in the recordings: an unqueued request's ``scheduled_ts`` equals
+    its ``queued_ts`` (the engine core stamps both between steps), and its first step is the one after the step then
+    running (diagnostics.json ``unqueued``)."""
+    sc = scheduler_config(gt)
+    partial = int(sc.get("max_num_partial_prefills") or 1)
+    if partial != 1:
+        raise ValueError(f"{gt.directory}: max_num_partial_prefills={partial} is not mirrored by scheduler=vllm_v1")
+    out = ["kv.prefix_cache_mode=vllm"]
+    if sc.get("long_prefill_token_threshold") is not None:
+        out.append(f"scheduler.long_prefill_token_threshold={int(sc['long_prefill_token_threshold'])}")
+    if sc.get("enable_chunked_prefill") is not None:
+        out.append(f"scheduler.enable_chunked_prefill={str(bool(sc['enable_chunked_prefill'])).lower()}")
+    async_on = sc.get("async_scheduling")
+    if async_on is None:  # vLLM's default: on since 0.12 (vllm-project/vllm#27614) for the engine core it runs in
+        async_on = _version(str(gt.meta.get("vllm_version") or "0")) >= (0, 12)
+    out.append(f"scheduler.async_scheduling={str(bool(async_on)).lower()}")
+    return out
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'0.19.0' -> (0, 19, 0); digits only, whatever follows them ('0.11.1rc2' -> (0, 11, 1))."""
+    parts = []
+    for p in text.split(".")[:3]:
+        m = re.match(r"\d+", p)
+        if not m:
+            break
+        parts.append(int(m[0]))
+    return tuple(parts)
+
+
 def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any]]:
     """Overrides that make ``cfg`` simulate the run (see the module docstring), and what they were derived from."""
     g = cfg.compare.get("groundtruth") or {}
@@ -223,7 +270,8 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     blocks, block, how = kv_pool(gt, model, tp, hw_bytes, float(g.get("kv_reserved_bytes", VLLM_RESERVED_BYTES)))
     kv = gt.meta.get("kv_cache") or {}
     prefix = kv.get("enable_prefix_caching", e.get("enable_prefix_caching", True))
-    out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={g.get('scheduler', 'sarathi')}",
+    scheduler = str(g.get("scheduler", "vllm_v1"))
+    out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={scheduler}",
            f"cost_model={g.get('cost_model', 'profiled')}", f"parallel.tp={tp}",
            f"scheduler.max_num_seqs={int(e['max_num_seqs'])}",
            f"scheduler.max_num_batched_tokens={int(e['max_num_batched_tokens'])}",
@@ -232,6 +280,8 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
            "metrics.percentile_method=linear", "backend=sim"]
     if e.get("max_model_len"):
         out.append(f"model.max_model_len={int(e['max_model_len'])}")
+    if scheduler == "vllm_v1":
+        out += vllm_v1_settings(gt)
     out += [str(o) for o in g.get("overrides") or ()]
     return out, {"model": model_opt, "hardware": hw_opt, "tp": tp, "kv_blocks": blocks, "kv_blocks_how": how,
                  "kv_tokens": blocks * block, "workload": str(gt.workload), "overrides": out}
@@ -265,19 +315,26 @@ def error_rows(measured: Mapping[str, Any], sim: Mapping[str, Any],
 
 
 def rows_markdown(rows: Sequence[Mapping[str, Any]], title: str) -> str:
+    """The error table, the peer beside; with a prediction band (step-noise draws) the band and whether vLLM's
+    value is inside it."""
+    from experiments.calibration.draws import band_cells, band_summary
+
     def num(v: float | None, pct: bool = False) -> str:
         return "n/a" if v is None else f"{v:+.1%}" if pct else f"{v:.4g}"
 
-    lines = [f"### {title}", "", "| metric | stat | vLLM (measured) | twinserve | error | LLMServingSim | its error |",
-             "|---|---|---|---|---|---|---|"]
+    banded = any(r.get("band_low") is not None for r in rows)
+    lines = [f"### {title}", "", "| metric | stat | vLLM (measured) | twinserve | error | LLMServingSim | its error |"
+             + (" twinserve band | inside |" if banded else ""), "|---|---|---|---|---|---|---|"
+             + ("---|---|" if banded else "")]
     lines += [f"| {r['metric']} | {r['percentile']} | {num(r['engine'])} | {num(r['sim'])} | "
-              f"{num(r['rel_error'], True)} | {num(r['peer_sim'])} | {num(r['peer_rel_error'], True)} |" for r in rows]
-    return "\n".join(lines) + "\n"
+              f"{num(r['rel_error'], True)} | {num(r['peer_sim'])} | {num(r['peer_rel_error'], True)} |"
+              + (band_cells(r) if banded else "") for r in rows]
+    return "\n".join(lines) + "\n" + ("\n" + band_summary(rows) + "\n" if banded else "")
 
 
 def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
-    """Where simulated and measured runs part: per-request queueing (first scheduled - arrival) and TTFT, and the
-    running / waiting counts each second against ``vllm_timeseries.csv``."""
+    """Where simulated and measured runs part: per-request queueing (first scheduled - arrival) and TTFT, the TTFT
+    of requests neither side queued, and the running / waiting counts each second against ``vllm_timeseries.csv``."""
     from core.output import read_requests
 
     sim = read_requests(sim_dir)
@@ -301,6 +358,14 @@ def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
         "end_s": {"measured": float(m_fin.max()), "sim": float(fin.max())},
         "cached_tokens": int(np.sum(np.asarray(sim["cached_tokens"]))) if "cached_tokens" in sim else None,
     }
+    # requests neither side queued (scheduled within 1 ms of arrival in vLLM, within one step in the simulation):
+    # their TTFT difference is the step time plus what vLLM does around it (async scheduling's in-flight step)
+    free = (m_sched - m_arr < 1e-3) & (sched - arr < np.median(first - sched))
+    if np.any(free):
+        out["unqueued"] = {"requests": int(np.sum(free)),
+                           "ttft_measured_p50_s": float(np.median((m_first - m_arr)[free])),
+                           "ttft_sim_p50_s": float(np.median((first - arr)[free])),
+                           "ttft_diff_p50_s": float(np.median(((first - arr) - (m_first - m_arr))[free]))}
     ts = gt.directory / TIMESERIES
     if ts.is_file():
         import csv
@@ -329,7 +394,7 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     diagnostics.json."""
     from core.metrics import summarize
     from experiments.build import run_summary_options
-    from experiments.calibration.draws import simulate_draws
+    from experiments.calibration.draws import band_summary, simulate_draws, with_band
     from experiments.overrides import apply_overrides
     from experiments.serving.bench_result import write_measured_run
 
@@ -345,7 +410,7 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     write_measured_run(out / "engine", states, measured)
     sim, draws = simulate_draws(sim_cfg, out / "sim")
     peer = read_peer(gt.directory / PEER) if (gt.directory / PEER).is_file() else {}
-    rows = error_rows(measured, sim, peer)
+    rows = with_band(error_rows(measured, sim, peer), (draws or {}).get("band"))
     cost, sched = (OmegaConf.select(sim_cfg, f"{k}._target_").rsplit(".", 1)[-1] for k in ("cost_model", "scheduler"))
     title = f"sim vs vLLM: {gt.directory.name} on {how['hardware']} (tp {how['tp']}), {cost}, {sched}"
     md = rows_markdown(rows, title)
@@ -357,5 +422,6 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
              f"({how['kv_blocks_how']}); cost model coverage {sim.get('cost_model')}")
     return {"measured": {"source": str(gt.directory), "backend": "vllm (ground truth)", "settings": how},
             "calibration": {"path": None, "fitted_here": False}, "errors": rows, "errors_md": md,
+            "in_band": band_summary(rows),
             "sim_metrics": sim, "sim_draws": draws, "diagnostics": diag, "plots": {},
             "metrics": {"measured": {k: measured[k] for k in METRICS}, "sim": {k: sim[k] for k in METRICS}}}

@@ -30,16 +30,24 @@ class VLLMv1Scheduler:
 
     The threshold applies only when more than one request is running or waiting; with
     ``long_prefill_token_threshold_adaptive`` it is raised to at least max_num_batched_tokens divided by that count.
+
+    ``async_scheduling`` (vLLM's default since 0.12 with AsyncLLM): the step is decided one step ahead, so a request
+    queued while a step runs, or a seat a finishing request frees, reaches the batch after next (the replica
+    applies that lag, ``core.replica``); off, the decisions are vLLM's synchronous scheduler's, step for step.
     """
 
     def __init__(self, long_prefill_token_threshold: int = 0, long_prefill_token_threshold_adaptive: bool = False,
-                 enable_chunked_prefill: bool = True, scheduler_reserve_full_isl: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, scheduler_reserve_full_isl: bool = True,
+                 async_scheduling: bool = False) -> None:
         self.long_prefill_token_threshold = check_int(long_prefill_token_threshold,
                                                       "scheduler.long_prefill_token_threshold", 0)
         self.long_prefill_token_threshold_adaptive = check_bool(
             long_prefill_token_threshold_adaptive, "scheduler.long_prefill_token_threshold_adaptive")
         self.enable_chunked_prefill = check_bool(enable_chunked_prefill, "scheduler.enable_chunked_prefill")
         self.scheduler_reserve_full_isl = check_bool(scheduler_reserve_full_isl, "scheduler.scheduler_reserve_full_isl")
+        # vLLM's AsyncScheduler: this step is decided while the previous one runs; the replica implements the lag
+        # (core.replica: late arrivals and freed seats reach the batch after next); decisions are otherwise these
+        self.async_scheduling = check_bool(async_scheduling, "scheduler.async_scheduling")
 
     def steady_decode(self, view: SchedulerView) -> list[RequestState] | None:
         """``core.interfaces.SteadyDecodeScheduler``: running order, while nothing can be admitted

@@ -379,6 +379,21 @@ class SkewTable:
 
 
 # ---- MoE ------------------------------------------------------------------------------------------------------------
+def moe_from_tp1(tables: ProfileTables, variant_dir: Path, tp: int) -> ProfileTables:
+    """A TP folder without ``moe.csv`` (the bundles profile the MoE block at TP 1 only) priced from ``tp1``'s: under
+    tensor parallelism every expert's FFN is split by width across the ``tp`` ranks, so each rank reads 1/tp of the
+    activated experts' weights and does 1/tp of their FLOPs: the TP 1 block's time / tp (a kernel's fixed cost does
+    not shrink: a small lower-bound bias at a few tokens). The all-reduce after the block is priced as the dense
+    layers' is."""
+    import dataclasses
+
+    one = load_tables(str(variant_dir), 1)
+    if one.moe is None:
+        raise ValueError(f"{tables.directory}: a MoE model's profile without moe.csv here or in tp1/")
+    rows = [(x, e, t / tp) for e, c in one.moe.curves.items() for x, t in zip(c.x.tolist(), c.y.tolist(), strict=True)]
+    return dataclasses.replace(tables, moe=MoETable(np.array(rows)))
+
+
 class MoETable:
     """``moe.csv``: one layer's MoE block by (tokens, distinct experts activated): per activated-experts row a curve
     in tokens, linear between rows."""
@@ -475,7 +490,15 @@ def load_tables(variant_dir: str, tp: int) -> ProfileTables:
 
 
 def _choose(parent: Path, want: str, what: str, key: str, dirs: Sequence[Path]) -> Path:
+    """The folder named ``want`` (no case or punctuation); else the one folder whose name extends it (a model's
+    fine-tune of the same shapes, ``qwen3_30b_a3b`` -> ``Qwen3-30B-A3B-Instruct-2507``: ``check_shapes`` then
+    verifies the shapes)."""
     match = [p for p in dirs if _norm(p.name) == _norm(want)]
+    if not match:
+        match = [p for p in dirs if _norm(p.name).startswith(_norm(want))]
+        if len(match) > 1:
+            raise ValueError(f"{key}={want!r}: several published {what} profiles under {parent} extend the name: "
+                             f"{sorted(str(p.relative_to(parent)) for p in match)}; name one exactly")
     if not match:
         names = sorted(str(p.relative_to(parent)) for p in dirs)
         raise ValueError(f"{key}={want!r}: no published {what} profile under {parent}; available: {names}")
@@ -522,8 +545,9 @@ class OperatorProfileCostModel:
     with the GPU, async scheduling being on by default, and replays CUDA graphs; 0 by default). ``skew``: apply the
     uneven-decode-context correction where the bundle has one. ``allreduce_latency_s``: per all-reduce, for ``tp`` >
     1 (a guess of ~10 us for a small all-reduce between two PCIe GPUs; no table measures it).
-    ``num_experts`` / ``experts_per_token``: a MoE model's routing, needed with a ``moe.csv`` (ModelSpec has no MoE
-    fields yet). ``profile``: a variant folder to use instead of the search by hardware and model name.
+    ``num_experts`` / ``experts_per_token``: a MoE model's routing, for a ``moe.csv``; null: the model's ``moe``
+    section (``num_experts``, ``top_k``). ``profile``: a variant folder to use instead of the search by hardware
+    and model name.
     """
 
     def __init__(self, model: ModelSpec | Mapping[str, Any], hardware: HardwareSpec | Mapping[str, Any], tp: int = 1,
@@ -549,10 +573,17 @@ class OperatorProfileCostModel:
         ring = 2 * (self.tp - 1) / self.tp
         self._allreduce_per_token = ring * m.hidden_size * ar.act_bytes(m) / hw.interconnect_bw if self.tp > 1 else 0.0
         self.experts: tuple[int, int] | None = None
+        self.moe_from: str | None = None  # where the MoE block's times come from, when not this TP's own moe.csv
+        if tables.moe is None and m.moe is not None and self.tp > 1:
+            tables = self.tables = moe_from_tp1(tables, folder.resolve(), self.tp)
+            self.moe_from = f"tp1/moe.csv / {self.tp}"
         if tables.moe is not None:
+            if m.moe is not None:  # the model's routing unless given here
+                num_experts = m.moe.num_experts if num_experts is None else num_experts
+                experts_per_token = m.moe.top_k if experts_per_token is None else experts_per_token
             if num_experts is None or experts_per_token is None:
-                raise ValueError(f"{tables.directory} has moe.csv: set cost_model.num_experts and "
-                                 "cost_model.experts_per_token (the model's routing)")
+                raise ValueError(f"{tables.directory} has moe.csv: the model has no moe section; set "
+                                 "cost_model.num_experts and cost_model.experts_per_token (its routing)")
             self.experts = (check_int(num_experts, "cost_model.num_experts", 1),
                             check_int(experts_per_token, "cost_model.experts_per_token", 1))
         once = [n for n in ONCE_PER_STEP if n in tables.dense]
@@ -684,8 +715,11 @@ class OperatorProfileCostModel:
 
     def coverage(self) -> dict[str, Any]:
         """How many lookups left a table's grid, per table, of how many steps priced (metrics.json ``cost_model``)."""
-        return {"profile": str(self.tables.directory), "priced_steps": self.priced, "beyond_grid": dict(self.beyond),
-                "below_grid": dict(self.below)}
+        out = {"profile": str(self.tables.directory), "priced_steps": self.priced, "beyond_grid": dict(self.beyond),
+               "below_grid": dict(self.below)}
+        if self.moe_from:
+            out["moe_from"] = self.moe_from
+        return out
 
 
 # ---- held-out error of the tables' own interpolation ---------------------------------------------------------------

@@ -350,3 +350,50 @@ def test_moe_blocks_by_tokens_and_expected_distinct_experts(tmp_path):
     assert b["moe"] == pytest.approx(3 * moe_us * US)
     assert "gate_up_proj" not in b  # a MoE bundle has no dense MLP rows
     assert cm.step_time(decode_features(4, 17)) == pytest.approx(sum(b.values()))
+
+
+def test_moe_at_tp2_without_its_own_table_takes_tp1s_over_tp(tmp_path):
+    """The bundles profile the MoE block at TP 1 only: at TP 2 each rank holds half of every expert's width, so the
+    block costs TP 1's time / 2 (the model's moe section gives the routing)."""
+    from core.specs import MoESpec
+
+    model = ModelSpec(name="toy", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=1000, moe=MoESpec(num_experts=8, top_k=2,
+                                                                           intermediate_size=32))
+    root = _bundle(tmp_path, model, moe=True)
+    tp2 = root / "tp2"
+    tp2.mkdir()
+    for name in ("dense.csv", "per_sequence.csv", "attention.csv"):
+        (tp2 / name).write_text((root / "tp1" / name).read_text())
+    meta = yaml.safe_load((root / "meta.yaml").read_text())
+    over = meta["engine_effective"]["hf_overrides"]
+    meta["tp_degrees"] = [1, 2]
+    meta["engine_effective"]["hf_overrides"] = {k: v // 2 for k, v in over.items()}
+    (root / "meta.yaml").write_text(yaml.safe_dump(meta))
+    one = OperatorProfileCostModel(model, hw(), profile=str(root), tp=1)  # routing from model.moe
+    two = OperatorProfileCostModel(model, hw(), profile=str(root), tp=2)
+    f = decode_features(4, 17)
+    assert two.breakdown(f)["moe"] == pytest.approx(one.breakdown(f)["moe"] / 2)
+    assert two.coverage()["moe_from"] == "tp1/moe.csv / 2" and "moe_from" not in one.coverage()
+
+
+@pytest.mark.slow
+@needs_data
+def test_every_published_model_and_tp_prices_a_run(tmp_path):
+    """Each profiled (GPU, model, TP) of shared/data runs a short vllm_v1 simulation: the model names match the
+    bundles (Qwen3-30B-A3B's is its Instruct-2507 fine-tune), MoE at TP 2 is priced, nothing leaves the grid."""
+    from experiments.run import run
+
+    cases = [("rtx4090", "llama3_1_8b", 1)] + [("rtxpro6000", m, tp) for m in ("llama3_1_8b", "qwen3_32b",
+                                                                              "qwen3_30b_a3b") for tp in (1, 2)]
+    tpot = {}
+    for gpu, model, tp in cases:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=["cost_model=profiled", f"model={model}", f"hardware={gpu}",
+                                               f"parallel.tp={tp}", "scheduler=vllm_v1", "kv.prefix_cache_mode=vllm",
+                                               "kv.num_blocks=4096", "workload.num_requests=20", "output.plots=false"])
+        m = run(RunConfig.from_config(cfg), tmp_path / f"{gpu}-{model}-{tp}")
+        assert m["num_completed"] == 20 and m["cost_model"]["beyond_grid"] == {}, (gpu, model, tp)
+        tpot[(gpu, model, tp)] = m["tpot_s"]["p50"]
+    for model in ("llama3_1_8b", "qwen3_32b", "qwen3_30b_a3b"):  # TP 2 halves each rank's weights: faster decodes
+        assert tpot[("rtxpro6000", model, 2)] < tpot[("rtxpro6000", model, 1)], model
