@@ -28,6 +28,7 @@ from core.request import Request, RequestState, Status
 class TokenEvent:
     token_id: int
     time_s: float
+    logprob: tuple | None = None  # (logprob, ((token id, logprob), ...)) when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +124,15 @@ class LoopThread:
 
     # ---- loop thread ----------------------------------------------------------------------------------------
     def _dispatch(self, stream: Stream) -> RequestState:
-        self.streams[stream.request.id] = stream  # before dispatch: a rejection ends it inside dispatch
-        state = self.loop.dispatch(stream.request)
+        rid = stream.request.id
+        if rid in self.streams:  # never replace a live request's stream: its tokens would go to this one
+            raise ValueError(f"request id {rid!r} belongs to a request still running; request ids must be unique")
+        self.streams[rid] = stream  # before dispatch: a rejection ends it inside dispatch
+        try:
+            state = self.loop.dispatch(stream.request)
+        except BaseException:
+            self.streams.pop(rid, None)
+            raise
         self._refresh()
         return state
 
@@ -142,9 +150,7 @@ class LoopThread:
             if ch.samples:
                 stream = self.streams.get(ch.state.id)
                 if stream is not None:  # one token, or several when the step verified drafts
-                    tokens = ch.state.output_token_ids
-                    out += [(stream.queue, TokenEvent(t, now)) for t in tokens[stream.delivered:]]
-                    stream.delivered = len(tokens)
+                    out += _events(stream, ch.state, now)
         self._refresh()  # before the tokens go out: a client that sees a token sees the load it came with
         if out:
             self.aio.call_soon_threadsafe(_deliver, out)
@@ -154,8 +160,7 @@ class LoopThread:
     def _on_terminal(self, state: RequestState, now: float) -> None:
         stream = self.streams.pop(state.id, None)
         if stream is not None:  # a request ends inside apply(), before the step's tokens go out: send its last ones
-            last = [(stream.queue, TokenEvent(t, now)) for t in state.output_token_ids[stream.delivered:]]
-            items = [*last, (stream.queue, EndEvent(state.status, state.reason))]
+            items = [*_events(stream, state, now), (stream.queue, EndEvent(state.status, state.reason))]
             # sent once this turn of the loop is over, after the step's listeners (the metrics): a client that has
             # seen its request end finds all of its tokens in /metrics
             if self.clock.call(lambda: self.aio.call_soon_threadsafe(_deliver, items)).done():  # clock stopped
@@ -186,6 +191,14 @@ class LoopThread:
         loop = self.loop
         return self.clock.call(lambda: ([s for s in loop.states if s.status.terminal], list(loop.steps),
                                         copy.deepcopy(loop.itl_pool))).result(timeout=30)
+
+
+def _events(stream: Stream, state: RequestState, now: float) -> list[tuple[asyncio.Queue, TokenEvent]]:
+    """The tokens of ``state`` not yet handed to ``stream`` (with their logprobs, when it asked for them)."""
+    tokens, lps, start = state.output_token_ids, state.logprobs, stream.delivered
+    stream.delivered = len(tokens)
+    return [(stream.queue, TokenEvent(t, now, lps[j] if lps is not None and j < len(lps) else None))
+            for j, t in enumerate(tokens[start:], start)]
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TokenEvent | EndEvent]]) -> None:
