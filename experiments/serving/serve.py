@@ -29,6 +29,7 @@ from experiments.run import finish_run, write_run_dir
 from experiments.serving.server.app import OpenAIServer, ServerSettings, drain
 from experiments.serving.server.bridge import LoopThread, NoArrivals
 from experiments.serving.server.metrics import ServerMetrics
+from experiments.serving.server.protocol import PROMPT_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,12 @@ def _seconds(cfg: DictConfig, key: str) -> float:
 API_KEY_ENV = "TWINSERVE_API_KEY"  # the API key when serve.api_key is null
 
 
-def _settings(cfg: DictConfig, name: str, max_waiting: int, sampling: SamplingParams,
-              has_logits: bool) -> ServerSettings:
+def _settings(cfg: DictConfig, name: str, max_waiting: int, sampling: SamplingParams, has_logits: bool,
+              max_model_len: int) -> ServerSettings:
     key = cfg.serve.api_key or os.environ.get(API_KEY_ENV) or None
     return ServerSettings(name, max_waiting, sampling, str(key) if key is not None else None,
-                          check_int(cfg.serve.max_prompt_chars, "serve.max_prompt_chars", 1),
+                          check_int(cfg.serve.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len,
+                                    "serve.max_prompt_chars", 1),
                           _seconds(cfg, "tokenize_timeout_s"), has_logits)
 
 
@@ -63,7 +65,8 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     loop = build_loop(run, workload=NoArrivals())
     tokenizer = load_tokenizer(run.model.path)
     sampling = run.engine.sampling if run.engine is not None else SamplingParams()  # the simulator samples nothing
-    server = OpenAIServer(run.model, tokenizer, _settings(cfg, name, max_waiting, sampling, run.engine is not None))
+    server = OpenAIServer(run.model, tokenizer, _settings(cfg, name, max_waiting, sampling, run.engine is not None,
+                                                          run.model.max_model_len))
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[server.middleware])
     app.add_routes(server.routes())
     tasks: dict[str, asyncio.Task] = {}

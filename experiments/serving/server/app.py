@@ -36,7 +36,7 @@ class ServerSettings:
     max_waiting: int  # queued requests (all replicas) beyond which new ones get 429
     default_sampling: SamplingParams
     api_key: str | None = None  # every /v1 route wants "Authorization: Bearer <api_key>" (None: open)
-    max_prompt_chars: int = 2**24  # longer text prompts get 413 before tokenization
+    max_prompt_chars: int = 2**24  # longer text prompts get 413 before tokenization (serve.max_prompt_chars)
     tokenize_timeout_s: float = 30.0  # body parsing + tokenization taking longer: 413
     has_logits: bool = True  # False (backend=sim): fields that need a model's logits are refused
 
@@ -224,7 +224,8 @@ class OpenAIServer:
         if chat:
             prompt = protocol.chat_prompt(body, self.tokenizer, cap)
         else:
-            prompt = protocol.completion_prompt(body, self.tokenizer, self.spec.vocab_size, cap)
+            prompt = protocol.completion_prompt(body, self.tokenizer, self.spec.vocab_size, cap,
+                                                self.spec.max_model_len)
         return protocol.parse_generation(body, prompt, self.spec.max_model_len, self.settings.default_sampling,
                                          self.spec.vocab_size, chat, self.settings.has_logits)
 

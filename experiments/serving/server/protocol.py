@@ -236,7 +236,26 @@ def check_text(text: str, key: str, max_chars: int) -> None:
         raise APIError(f"'{key}' is not valid Unicode: {e.reason} at character {e.start}", param=key) from None
 
 
-def completion_prompt(body: Any, tokenizer: Any, vocab_size: int, max_chars: int = 2**62) -> tuple[int, ...]:
+PROMPT_CHARS_PER_TOKEN = 32  # serve.max_prompt_chars null: this many characters per token of context
+PROBE_CHARS_PER_TOKEN = 4  # a long text is first tokenized on a prefix of this many characters per context token
+
+
+def encode(tokenizer: Any, text: str, max_model_len: int) -> tuple[int, ...]:
+    """``text`` as token ids. A text longer than ``PROBE_CHARS_PER_TOKEN`` x the context is first tokenized on
+    prefixes of doubling length: one already over the context (plus a margin for a word cut at its end) refuses
+    the whole at that cost, so a 10 MB prompt for a 4k-token model is refused in milliseconds."""
+    n = PROBE_CHARS_PER_TOKEN * max_model_len
+    while n < len(text):
+        got = len(tokenizer.encode(text[:n]))
+        if got > max_model_len + 16:
+            raise APIError(f"the prompt has over {got} tokens in its first {n} characters (of {len(text)}); this "
+                           f"model's context is {max_model_len} tokens", param="prompt")
+        n *= 2
+    return tuple(tokenizer.encode(text))
+
+
+def completion_prompt(body: Any, tokenizer: Any, vocab_size: int, max_chars: int = 2**62,
+                      max_model_len: int = 2**62) -> tuple[int, ...]:
     """``prompt``: a string (needs the checkpoint's tokenizer), a list of token ids, or a one-element list of
     either (a batch of several prompts is not supported)."""
     prompt = _field(body, "prompt", (str, list))
@@ -246,7 +265,7 @@ def completion_prompt(body: Any, tokenizer: Any, vocab_size: int, max_chars: int
         if tokenizer is None:
             raise APIError("this checkpoint has no tokenizer: send the prompt as a list of token ids", param="prompt")
         check_text(prompt, "prompt", max_chars)
-        return tuple(tokenizer.encode(prompt))
+        return encode(tokenizer, prompt, max_model_len)
     if prompt and all(isinstance(p, str | list) for p in prompt):
         raise APIError("a batch of several prompts is not supported; send one prompt per request", param="prompt")
     return _token_ids(prompt, "prompt", vocab_size)
