@@ -190,3 +190,21 @@ def test_logprobs_of_the_raw_distribution():
 def test_non_finite_or_out_of_range_params_are_refused(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+def test_verify_applies_penalties_with_the_drafts_in_the_history():
+    """A greedy request with a repetition penalty: verifying drafts gives what one-token steps give, each row
+    penalised with the drafts before it."""
+    p = SamplingParams(repetition_penalty=3.0, frequency_penalty=1.0, logprobs=1)
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(9))
+    state = RequestState(Request("r", 0.0, 2, 8, prompt_token_ids=(1, 2), sampling=p))
+    state.output_token_ids = [5]
+    want, shadow = [], RequestState(state.request, output_token_ids=[5])
+    for i in range(4):  # sequential greedy decodes: row i sees the tokens chosen before it
+        want.append(int(adjust(logits[i], p, shadow).argmax()))
+        shadow.output_token_ids.append(want[-1])
+    drafts = want[:3]
+    assert Sampler().verify(logits, drafts, state) == want  # every draft accepted, plus the bonus token
+    assert len(state.logprobs) == 4
+    wrong = [want[0], (want[1] + 1) % 12, 0]
+    assert Sampler().verify(logits, wrong, state) == want[:2]  # stops at the first mismatch with the target's token

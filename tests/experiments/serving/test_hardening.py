@@ -140,6 +140,36 @@ def test_after_the_generated_requests_the_engine_is_exact(server, ckpt):
     assert server.get("/health") == (200, '{"status": "ok"}')
 
 
+def test_logprobs_penalties_and_logit_bias_through_the_engine(server, ckpt):
+    """logprobs are the model's own log-probabilities (against transformers' logits); a logit bias of +100 forces
+    its token; a repetition penalty changes a greedy answer that repeats, and never picks what the bias forbids."""
+    import torch
+    import transformers
+
+    from tests.engine.checkpoints import hf_logits
+
+    prompt = [7, 8, 9]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+
+    def ask(**fields):
+        status, answer = post(server.url, "/v1/completions", json.dumps(
+            {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True, **fields}).encode())
+        assert status == 200, answer
+        return json.loads(answer)["choices"][0]
+
+    plain = ask(logprobs=3)
+    ids = plain["token_ids"]
+    assert ids == offline_tokens(ckpt, prompt, 6)  # asking for logprobs leaves the tokens alone
+    ref = hf_logits(hf, torch.tensor(prompt + ids[:-1])).log_softmax(-1)[len(prompt) - 1:]
+    torch.testing.assert_close(torch.tensor(plain["logprobs"]["token_logprobs"]), ref[range(6), ids], atol=1e-4,
+                               rtol=1e-4)
+    assert [len(t) for t in plain["logprobs"]["top_logprobs"]] == [3] * 6
+    assert ask(logit_bias={"42": 100})["token_ids"] == [42] * 6
+    assert 42 not in ask(logit_bias={"42": -100}, repetition_penalty=1.5)["token_ids"]
+    penalised = ask(frequency_penalty=2.0)["token_ids"]
+    assert len(set(penalised)) >= len(set(ids))  # repeats cost: at least as many distinct tokens
+
+
 def test_a_live_duplicate_id_is_refused_and_the_first_stream_runs_to_its_end(server, ckpt):
     prompt, n = [20, 21, 22], 200
     got: list[bytes] = []
