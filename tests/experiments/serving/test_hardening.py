@@ -130,6 +130,24 @@ def test_generated_requests_get_2xx_or_4xx_with_a_json_message(server, case):
         assert json.loads(answer)["choices"]
 
 
+@pytest.mark.slow
+def test_generated_requests_against_the_simulator(tmp_path):
+    """The same bodies against backend=sim (no tokenizer, placeholder tokens, logit fields refused)."""
+    s = ServerProcess(None, tmp_path / "run", "backend=sim")
+    try:
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(case=requests())
+        def one(case):
+            test_generated_requests_get_2xx_or_4xx_with_a_json_message.hypothesis.inner_test(s, case)
+
+        one()
+        body = b'{"prompt": [1, 2], "max_tokens": 3, "return_token_ids": true}'
+        status, answer = post(s.url, "/v1/completions", body)
+        assert status == 200 and json.loads(answer)["choices"][0]["token_ids"] == [0, 0, 0]
+    finally:
+        assert s.stop() == 0
+
+
 def test_after_the_generated_requests_the_engine_is_exact(server, ckpt):
     """Runs after the generated bodies (file order): the server lives, and a normal request gets exactly the
     offline engine's greedy tokens."""
