@@ -168,6 +168,8 @@ class LoopThread:
         stream = self.streams.pop(state.id, None)
         if stream is not None:  # a request ends inside apply(), before the step's tokens go out: send its last ones
             error = self.failed.pop(state.id, None)
+            if error is not None and state.status is Status.FINISHED:  # the failed step's placeholder was its last
+                state.status, state.reason = Status.CANCELLED, error  # token: the run files must not say FINISHED
             end = EndEvent(state.status, state.reason) if error is None else EndEvent(Status.CANCELLED, error)
             items = [*(_events(stream, state, now) if error is None else ()), (stream.queue, end)]
             # sent once this turn of the loop is over, after the step's listeners (the metrics): a client that has

@@ -264,10 +264,10 @@ def test_api_key_guards_every_v1_route(tmp_path, monkeypatch):
 
 # ---- a failing step, in process ------------------------------------------------------------------------------
 class PoisonExecutor(FormulaExecutor):
-    """Fails any step that holds request ``poison``."""
+    """Fails any step that holds a request named ``poison...``."""
 
     def execute(self, batch):
-        if any(ch.state.id == "poison" for ch in batch.chunks):
+        if any(ch.state.id.startswith("poison") for ch in batch.chunks):
             raise FloatingPointError("sampling produced NaN")
         return super().execute(batch)
 
@@ -289,12 +289,15 @@ def test_a_failing_step_ends_only_its_requests_and_the_loop_serves_on():
 
         try:
             poisoned = await run("poison", 5)
+            last = await run("poison-last", 1)  # its one token comes from the failing step: FINISHED by length
             after = await asyncio.gather(run("a", 6), run("b", 7))
-            return poisoned, after, bridge.error
+            return poisoned, last, after, bridge.error
         finally:
             bridge.stop()
 
-    (tokens, end), after, error = asyncio.run(scenario())
+    (tokens, end), last, after, error = asyncio.run(scenario())
     assert tokens == [] and end.status is Status.CANCELLED and "FloatingPointError" in end.reason
+    assert last[0] == [] and last[1].status is Status.CANCELLED
+    assert {s.id: s.status for s in loop.states}["poison-last"] is Status.CANCELLED  # the run files agree
     assert error is None and [(len(t), e.status) for t, e in after] == [(6, Status.FINISHED), (7, Status.FINISHED)]
     assert not loop.unfinished() and replica.kv.num_used_blocks == 0
