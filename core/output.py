@@ -424,7 +424,7 @@ def _keep_partial(out: Path, stage: Path, metrics: Mapping[str, Any], error: Bas
 
 def _read_csv_python(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dict[str, np.ndarray]:
     """``read_csv`` with the csv module (the reference ``read_csv`` matches; used where pyarrow cannot parse)."""
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
@@ -483,7 +483,7 @@ def read_csv(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS) -> dic
     import pyarrow.csv as pcsv
 
     path = Path(path)
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), None)
     if header is None:
         raise ValueError(f"{path}: empty file (no header)")
@@ -578,7 +578,7 @@ def read_step_features(path: str | Path) -> tuple[list[StepFeatures], np.ndarray
                                                      for k in names), strict=True)]
         return feats, cols["duration_s"].astype(float), cols["replica"].astype(int)
     features, durations, replicas = [], [], []
-    with open(path, newline="") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         # features added since the first recordings (core.batch.LATER_FEATURES): older files have none (0)
         missing = sorted(set(StepRecord.columns()) - set(reader.fieldnames or ()) - LATER_FEATURES)

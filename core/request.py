@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ class Status(enum.Enum):
 
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+MIN_TEMPERATURE = 1e-2  # below it (but above 0) logits / temperature overflows; vLLM's floor too. 0 = greedy
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
+PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalties (OpenAI's range)
+BIAS_RANGE = (-100.0, 100.0)  # logit_bias values (OpenAI's range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,27 +37,61 @@ class SamplingParams:
     An engine has a default (``conf/backend/engine.yaml``: temperature, top_p, top_k); a request may carry its own
     (``Request.sampling``). ``seed`` (requests only): the request draws from its own generator seeded with it, so
     its tokens do not depend on what else is batched with it; None: the engine's shared generator.
+
+    Logit adjustments (requests only, as OpenAI / vLLM define them), applied before greedy or random choice:
+    ``logit_bias`` ((token id, bias) pairs) is added first; then ``repetition_penalty`` divides positive (multiplies
+    negative) logits of every token in the prompt or output so far; ``frequency_penalty`` x (times in the output)
+    and ``presence_penalty`` (once in the output) are subtracted. ``logprobs`` (None: off): each output token's
+    log-probability under the model's raw distribution and the ``logprobs`` most likely alternatives.
+    Every float must be finite; temperature is 0 or at least ``MIN_TEMPERATURE``.
     """
 
     temperature: float = 0.0  # 0: greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0: no limit
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"sampling.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {t}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"sampling.seed must be null or an int in [-2**63, 2**64), got {self.seed!r}")
+        for key in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, key)
+            if not PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1]:
+                raise ValueError(f"sampling.{key} must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}], got {v}")
+        if not 0 < self.repetition_penalty <= 1e3:  # a finite positive factor
+            raise ValueError(f"sampling.repetition_penalty must be in (0, 1000] (1 = off), got "
+                             f"{self.repetition_penalty}")
+        for tok, bias in self.logit_bias:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 \
+                    or not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
+                raise ValueError(f"sampling.logit_bias must map token ids >= 0 to biases in [{BIAS_RANGE[0]}, "
+                                 f"{BIAS_RANGE[1]}], got {tok!r}: {bias!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"sampling.logprobs must be null or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits change before the choice (bias or a penalty): a greedy row then needs the full logits."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +225,9 @@ class RequestState:
     num_draft_proposed: int = 0  # speculative decoding: draft tokens verified for this request so far
     num_draft_accepted: int = 0  # ... and how many of them the target accepted
     num_draft_rejections: int = 0  # verify steps that ended at a rejected draft (the rest accepted all)
+    # per sampled token when the request's sampling asks for logprobs (the engine's sampler appends them): the
+    # token's log-probability and its alternatives, (logprob, ((token id, logprob), ...)); None otherwise
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
     def __post_init__(self) -> None:
         self.id = self.request.id
@@ -223,6 +265,7 @@ class RequestState:
             self.output_token_ids = RepeatedTokens(out[0], len(out))
         if isinstance(self.block_hashes, list) and self.block_hashes:
             self.block_hashes = array("q", self.block_hashes)
+        self.logprobs = None  # handed out while it ran; no run file keeps them
 
     def fold(self, max_stall_s: float | None) -> None:
         """Drop the token times (their ITL samples are pooled elsewhere), keeping what the metrics still need."""

@@ -96,30 +96,51 @@ def _names(names) -> str:
     return f"{names[:_MAX_NAMES]}{more}"
 
 
-def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
+def _declared_dtype(path: Path) -> torch.dtype | None:
+    """The dtype the checkpoint's config.json declares (``torch_dtype`` or ``dtype``), None when it names none."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("torch_dtype") or config.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _checked(file: Path, key: str, tensor: torch.Tensor, declared: torch.dtype | None, cast: bool) -> torch.Tensor:
+    """A checkpoint tensor as the model may take it: of the declared floating dtype (else an error, or with
+    ``cast`` a cast) and finite."""
+    if not cast and (not tensor.is_floating_point() or (declared is not None and tensor.dtype != declared)):
+        want = declared if declared is not None else "a floating dtype"
+        raise ValueError(f"{file.name}: tensor {key!r} is {tensor.dtype}, config.json declares {want}; re-save the "
+                         "checkpoint in that dtype (or load_model(..., cast=True) casts it)")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{file.name}: tensor {key!r} has {bad} non-finite values (NaN or inf) of {tensor.numel()}; "
+                         "the checkpoint is corrupt")
+    return tensor
+
+
+def load_weights(model: LlamaForCausalLM, path: str | Path, cast: bool = False) -> None:
     """Fill ``model`` from the safetensors files in ``path``; every parameter exactly once (from one of its
-    layouts), shapes checked."""
+    layouts), shapes checked, values finite and of config.json's dtype (``cast``: any dtype is cast instead).
+    A truncated or corrupt file is named in a one-line error."""
     path = Path(path)
     params = dict(model.named_parameters())
     layouts = {name: _layouts(name, p, model.spec) for name, p in params.items()}
     targets = {key: (name, *target) for name, options in layouts.items() for layout in options
                for key, target in layout.items()}
+    declared = _declared_dtype(path)
     seen, unexpected = set(), []
     for file in _safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key not in targets:
-                    tied_head = key == "lm_head.weight" and model.spec.tie_word_embeddings
-                    if not tied_head and not key.endswith(_IGNORED_SUFFIXES):
-                        unexpected.append(key)
-                    continue
-                name, index, shape = targets[key]
-                tensor = f.get_slice(key)
-                got = tuple(tensor.get_shape())
-                if got != shape:
-                    raise ValueError(f"{file.name}: tensor {key!r} has shape {list(got)}, model expects {list(shape)}")
-                params[name].data[index].copy_(tensor[:])
-                seen.add(key)
+        try:
+            _load_file(file, model, params, targets, declared, cast, seen, unexpected)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors' own errors: a short header, offsets past the end of a truncated file
+            raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'no detail'}); it may be truncated or "
+                             "corrupt: download or save it again") from None
     if unexpected:
         raise ValueError(f"{path}: unexpected tensors not used by the {model.spec.architecture} model: "
                          f"{_names(unexpected)}")
@@ -131,6 +152,24 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
         missing += [key for key in (given or options)[0] if key not in seen]
     if missing:
         raise ValueError(f"{path}: missing tensors {_names(missing)}")
+
+
+def _load_file(file: Path, model: LlamaForCausalLM, params: dict, targets: dict, declared: torch.dtype | None,
+               cast: bool, seen: set, unexpected: list) -> None:
+    with safe_open(file, framework="pt", device="cpu") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            if key not in targets:
+                tied_head = key == "lm_head.weight" and model.spec.tie_word_embeddings
+                if not tied_head and not key.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(key)
+                continue
+            name, index, shape = targets[key]
+            tensor = f.get_slice(key)
+            got = tuple(tensor.get_shape())
+            if got != shape:
+                raise ValueError(f"{file.name}: tensor {key!r} has shape {list(got)}, model expects {list(shape)}")
+            params[name].data[index].copy_(_checked(file, key, tensor[:], declared, cast))
+            seen.add(key)
 
 
 def init_random(model: LlamaForCausalLM, seed: int = 0) -> None:
@@ -151,12 +190,13 @@ def _finish(model: LlamaForCausalLM, quant: str | None, group_size: int) -> Llam
 
 def load_model(path: str | Path, spec: ModelSpec | None = None, *, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", quant: str | None = None,
-               group_size: int = 128) -> LlamaForCausalLM:
-    """Model from a HF checkpoint directory (config.json + *.safetensors); dtype defaults to the spec's."""
+               group_size: int = 128, cast: bool = False) -> LlamaForCausalLM:
+    """Model from a HF checkpoint directory (config.json + *.safetensors); dtype defaults to the spec's.
+    ``cast``: take tensors of any dtype (cast to the model's) instead of refusing those not of config.json's."""
     check_choice(quant or "none", "quant", QUANT_MODES)
     spec = spec or ModelSpec.from_pretrained(path)
     model = LlamaForCausalLM(spec, dtype, device)
-    load_weights(model, path)
+    load_weights(model, path, cast)
     return _finish(model, quant, group_size)
 
 

@@ -1,7 +1,8 @@
 """Next-token sampling: greedy, or temperature with top-k / top-p (nucleus) filtering from a seeded generator.
 
 Each logits row is sampled with its own request's ``SamplingParams`` (``core.request``; re-exported here), or the
-engine's default when the request carries none.
+engine's default when the request carries none. A request's logit bias and presence / frequency / repetition
+penalties adjust its row first (``adjust``); its logprobs, when asked, go to ``RequestState.logprobs``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ class Sampler:
         params = [s.request.sampling or default for s in states]
         if all(p is default for p in params):
             return self.sample(logits, default, self.generator)
+        raw = logits
+        if any(p.adjusts_logits for p in params):
+            logits = logits.float().clone()
+            for i, p in enumerate(params):
+                if p.adjusts_logits:
+                    logits[i] = adjust(logits[i], p, states[i])
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
@@ -65,13 +72,16 @@ class Sampler:
         for p, idx in groups.items():
             rows = torch.tensor(idx, device=logits.device)
             out[rows] = self.sample(logits[rows], p, self.generator)
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                record_logprobs(states[i], raw[i:i + 1], out[i:i + 1].tolist(), p.logprobs)
         return out
 
     def all_greedy(self, states: Sequence[RequestState] | None = None) -> bool:
         """Whether every row (``states`` as in ``__call__``) takes its argmax."""
         if states is None:
             return self.params.greedy
-        return all((s.request.sampling or self.params).greedy for s in states)
+        return all(_plain_greedy(s.request.sampling or self.params) for s in states)
 
     def release(self, request_id: str) -> None:
         """Forget an ended request's own generator."""
@@ -99,6 +109,17 @@ class Sampler:
         draft x is accepted with probability p(x), and a rejection draws from p with x removed (max(p - q, 0)).
         """
         p = state.request.sampling or self.params
+        d = len(drafts)
+        raw = logits
+        if p.adjusts_logits:  # row i follows drafts[:i]: its history has them
+            logits = torch.stack([adjust(logits[i], p, state, drafts[:i]) for i in range(d + 1)])
+        out = self._verify(logits, drafts, state, p)
+        if p.logprobs is not None:
+            record_logprobs(state, raw[:len(out)], out, p.logprobs)
+        return out
+
+    def _verify(self, logits: torch.Tensor, drafts: Sequence[int], state: RequestState,
+                p: SamplingParams) -> list[int]:
         d = len(drafts)
         if p.greedy:
             target = argmax_rows(logits).tolist()
@@ -140,3 +161,43 @@ class Sampler:
             drop[:, 0] = False
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits.softmax(dim=-1)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy on the model's own logits with nothing to report: the model may take the argmax without them."""
+    return p.greedy and not p.adjusts_logits and p.logprobs is None
+
+
+def adjust(row: torch.Tensor, p: SamplingParams, state: RequestState, extra: Sequence[int] = ()) -> torch.Tensor:
+    """One logits row [V] with ``p``'s logit bias and penalties applied (``SamplingParams``), given the request's
+    prompt and its outputs so far (plus ``extra``: drafts ahead of this row); returns a new float32 row."""
+    row = row.float().clone()
+    vocab, dev = row.shape[-1], row.device
+    if p.logit_bias:
+        bias = [(t, b) for t, b in p.logit_bias if t < vocab]
+        if bias:
+            ids = torch.tensor([t for t, _ in bias], device=dev)
+            row.index_add_(0, ids, torch.tensor([b for _, b in bias], device=dev, dtype=row.dtype))
+    output = [*state.output_token_ids, *extra]
+    if p.repetition_penalty != 1:
+        seen = {*(state.request.prompt_token_ids or ()), *output}
+        if seen:
+            ids = torch.tensor(sorted(seen), device=dev)
+            vals = row[ids]
+            row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = torch.tensor(output, device=dev).unique(return_counts=True)
+        row.index_add_(0, ids, -(p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty))
+    return row
+
+
+def record_logprobs(state: RequestState, raw: torch.Tensor, tokens: Sequence[int], top: int) -> None:
+    """Append to ``state.logprobs``, for token j sampled from row j of ``raw`` (the model's logits), its
+    log-probability and the ``top`` most likely tokens with theirs."""
+    logp = raw.float().log_softmax(dim=-1)
+    best = logp.topk(top, dim=-1) if top else None
+    if state.logprobs is None:
+        state.logprobs = []
+    for j, tok in enumerate(tokens):
+        alts = () if best is None else tuple(zip(best.indices[j].tolist(), best.values[j].tolist(), strict=True))
+        state.logprobs.append((float(logp[j, tok]), alts))

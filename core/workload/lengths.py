@@ -96,7 +96,7 @@ def read_column(path: Any, column: Any, key: str) -> np.ndarray:
     if not isinstance(path, str) or not isinstance(column, str):
         raise ValueError(f"workload.{key}: empirical needs 'path' and 'column' strings, got {path!r}, {column!r}")
     file = resolve_path(path, f"{key}.path")
-    with open(file, newline="") as f:
+    with open(file, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, [])
         if column not in header:

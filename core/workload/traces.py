@@ -18,7 +18,9 @@ Formats:
 from __future__ import annotations
 
 import csv
+import difflib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -27,7 +29,10 @@ from typing import Any
 
 from core.workload.base import resolve_path
 
+log = logging.getLogger(__name__)
 MOONCAKE_BLOCK = 512  # tokens per Mooncake hash id
+REQUEST_FIELDS = ("arrival_s", "output_tokens", "prompt_tokens", "prompt_token_ids", "hash_ids", "id", "tenant",
+                  "warmup", "priority")
 _EPOCH = datetime(1970, 1, 1)
 
 
@@ -130,6 +135,8 @@ def _text_lines(file: Path) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise ValueError(f"{file}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                  "a trace is a UTF-8 JSONL or CSV file") from None
+            if no == 1:
+                text = text.removeprefix("\ufeff")  # a byte-order mark (Excel's UTF-8 CSV): not part of the header
             if "\x00" in text:
                 raise ValueError(f"{file}:{no}: a NUL byte: a binary file, not a UTF-8 JSONL or CSV trace")
             yield text
@@ -231,7 +238,9 @@ def read_request_list(path: str | Path, limit: int | None = None, tokens_per_has
         lines = _json_lines(file, limit)
     else:
         raise ValueError(f"{file}: request list must end in .jsonl, .json or .csv")
+    warned: set[str] = set()
     for i, ln in enumerate(lines):
+        _warn_unknown(ln, warned)
         arrival, n_out = ln.float("arrival_s"), ln.int("output_tokens", 1)
         tokens, hids = ln.ids("prompt_token_ids"), ln.ids("hash_ids")
         n_in = ln.int("prompt_tokens", 1) if ln.has("prompt_tokens") else None
@@ -255,6 +264,18 @@ def read_request_list(path: str | Path, limit: int | None = None, tokens_per_has
         tenant = str(ln.row["tenant"]) if ln.has("tenant") else ""
         priority = ln.int("priority") if ln.has("priority") else 0
         yield TraceRow(i, ln.line, arrival, n_in, n_out, rid, hids, tokens, tenant, ln.bool("warmup"), priority)
+
+
+def _warn_unknown(ln: _Line, warned: set[str]) -> None:
+    """Warn once per file about each field a request list does not know (a typo of an optional one is otherwise
+    silently ignored), at the first line that has it."""
+    new = [k for k in ln.row if k not in REQUEST_FIELDS and k not in warned and k is not None]
+    for k in new:
+        warned.add(k)
+        close = difflib.get_close_matches(str(k), REQUEST_FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        log.warning("%s:%d: unknown field %r ignored%s; request-list fields: %s", ln.file, ln.line, k, hint,
+                    ", ".join(REQUEST_FIELDS))
 
 
 def read_trace(path: str | Path, limit: int | None = None, tokens_per_hash_id: int = 16) -> Iterator[TraceRow]:

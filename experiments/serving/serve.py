@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -28,12 +29,25 @@ from experiments.run import finish_run, write_run_dir
 from experiments.serving.server.app import OpenAIServer, ServerSettings, drain
 from experiments.serving.server.bridge import LoopThread, NoArrivals
 from experiments.serving.server.metrics import ServerMetrics
+from experiments.serving.server.protocol import PROMPT_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
 
 def _seconds(cfg: DictConfig, key: str) -> float:
     return check_float(cfg.serve[key], f"serve.{key}", 0.0, strict=True)
+
+
+API_KEY_ENV = "TWINSERVE_API_KEY"  # the API key when serve.api_key is null
+
+
+def _settings(cfg: DictConfig, name: str, max_waiting: int, sampling: SamplingParams, has_logits: bool,
+              max_model_len: int) -> ServerSettings:
+    key = cfg.serve.api_key or os.environ.get(API_KEY_ENV) or None
+    return ServerSettings(name, max_waiting, sampling, str(key) if key is not None else None,
+                          check_int(cfg.serve.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len,
+                                    "serve.max_prompt_chars", 1),
+                          _seconds(cfg, "tokenize_timeout_s"), has_logits)
 
 
 def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
@@ -51,8 +65,9 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     loop = build_loop(run, workload=NoArrivals())
     tokenizer = load_tokenizer(run.model.path)
     sampling = run.engine.sampling if run.engine is not None else SamplingParams()  # the simulator samples nothing
-    server = OpenAIServer(run.model, tokenizer, ServerSettings(name, max_waiting, sampling))
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    server = OpenAIServer(run.model, tokenizer, _settings(cfg, name, max_waiting, sampling, run.engine is not None,
+                                                          run.model.max_model_len))
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[server.middleware])
     app.add_routes(server.routes())
     tasks: dict[str, asyncio.Task] = {}
 
@@ -95,6 +110,7 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
         with contextlib.suppress(asyncio.CancelledError):
             await tasks["flush"]
         server.bridge.stop()
+        server.parser.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, write, True)
         log.info("wrote %s", out_dir)
 

@@ -203,3 +203,27 @@ def test_100k_row_trace_loads_in_seconds(tmp_path):
     wl = MooncakeTrace(path=str(f))
     n = sum(1 for _ in wl.initial())
     assert n == 100_000 and time.perf_counter() - start < 10.0
+
+
+def test_a_byte_order_mark_is_not_part_of_the_header(tmp_path):
+    azure = tmp_path / "azure.csv"
+    azure.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    rows = list(read_trace(azure))
+    assert [(r.prompt_len, r.output_len) for r in rows] == [(374, 44)]
+    listed = tmp_path / "reqs.csv"
+    listed.write_bytes(b"\xef\xbb\xbfarrival_s,prompt_tokens,output_tokens\n0.5,10,3\n")
+    assert [(r.arrival_s, r.prompt_len) for r in read_request_list(listed)] == [(0.5, 10)]
+    jsonl = tmp_path / "reqs.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"arrival_s": 1, "prompt_tokens": 4, "output_tokens": 2}\n')
+    assert [r.prompt_len for r in read_trace(jsonl)] == [4]
+
+
+def test_an_unknown_request_list_field_warns_once_with_its_line(tmp_path, caplog):
+    f = tmp_path / "reqs.jsonl"
+    f.write_text("\n".join(json.dumps({"arrival_s": i, "prompt_tokens": 4, "output_tokens": 2, "priorty": 1})
+                           for i in range(3)))
+    with caplog.at_level("WARNING"):
+        rows = list(read_request_list(f))
+    assert [r.priority for r in rows] == [0, 0, 0]
+    warnings = [r.getMessage() for r in caplog.records if "priorty" in r.getMessage()]
+    assert len(warnings) == 1 and f"{f}:1:" in warnings[0] and "did you mean 'priority'" in warnings[0]

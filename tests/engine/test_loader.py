@@ -129,3 +129,33 @@ def test_build_model_loads_spec_path_else_random(tmp_path):
 def test_bad_quant_mode():
     with pytest.raises(ValueError, match="quant='int3'"):
         random_model(SPEC, quant="int3")
+
+
+def test_non_finite_weights_are_named(tmp_path):
+    _, path = tiny_checkpoint(tmp_path)
+    _rewrite(path, lambda t: t["model.layers.0.mlp.down_proj.weight"].view(-1)[:3].fill_(float("nan")))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has "
+                                         r"3 non-finite"):
+        load_model(path)
+
+
+def test_a_weight_of_another_dtype_is_refused_unless_cast(tmp_path):
+    hf, path = tiny_checkpoint(tmp_path)
+    _rewrite(path, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is torch\.int32, config\.json declares torch.float32"):
+        load_model(path)
+    assert torch.equal(load_model(path, cast=True).model.norm.weight, hf.model.norm.weight.to(torch.int32).float())
+    _rewrite(path, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.float16)}))
+    with pytest.raises(ValueError, match="float16"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_a_truncated_or_corrupt_file_is_named_in_one_line(tmp_path, damage):
+    _, path = tiny_checkpoint(tmp_path)
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"\xff" * 8 + data[8:])
+    with pytest.raises(ValueError, match="not a readable safetensors file") as e:
+        load_model(path)
+    assert str(file) in str(e.value) and "\n" not in str(e.value)

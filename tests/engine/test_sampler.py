@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.request import Request, RequestState
-from engine.sampler import Sampler, SamplingParams
+from engine.sampler import Sampler, SamplingParams, adjust
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 
@@ -135,3 +135,76 @@ def test_per_request_top_k_in_a_batch():
     sampler = Sampler(seed=0)
     rows = torch.stack([sampler(logits, states) for _ in range(400)])
     assert set(rows[:, 0].tolist()) == {1, 3} and set(rows[:, 1].tolist()) == {1} and set(rows[:, 2].tolist()) == {1}
+
+
+def _reference(row: list[float], p: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """OpenAI / vLLM logit adjustments written out per token: bias, then repetition, frequency, presence."""
+    row = list(row)
+    for t, b in p.logit_bias:
+        row[t] += b
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return row
+
+
+@pytest.mark.parametrize("p", [SamplingParams(logit_bias=((3, 5.0), (0, -100.0))),
+                               SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.8),
+                               SamplingParams(presence_penalty=-1.5, frequency_penalty=0.3, repetition_penalty=0.6,
+                                              logit_bias=((2, 1.0),))])
+def test_penalties_and_bias_match_the_reference(p):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 12, generator=g)
+    states = []
+    for i in range(3):
+        s = RequestState(Request(f"r{i}", 0.0, 3, 8, prompt_token_ids=(1, 5, 5), sampling=p))
+        s.output_token_ids = [[], [2, 2, 7], [5, 9, 2, 2, 2]][i]
+        states.append(s)
+    ref = torch.tensor([_reference(logits[i].tolist(), p, [1, 5, 5], s.output_token_ids)
+                        for i, s in enumerate(states)])
+    adjusted = torch.stack([adjust(logits[i], p, s) for i, s in enumerate(states)])
+    torch.testing.assert_close(adjusted, ref)
+    assert not torch.equal(adjusted, logits)  # the adjustment changes something here
+    sampler = Sampler()
+    assert not sampler.all_greedy(states)  # the model must hand over the full logits
+    assert torch.equal(sampler(logits, states), ref.argmax(-1))
+
+
+def test_logprobs_of_the_raw_distribution():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(6))
+    states = [RequestState(Request(f"r{i}", 0.0, 1, 4, sampling=SamplingParams(logprobs=3, logit_bias=((0, 50.0),))))
+              for i in range(2)]
+    assert Sampler()(logits, states).tolist() == [0, 0]  # the bias picks token 0 ...
+    logp = logits.log_softmax(-1)
+    for i, s in enumerate(states):
+        (lp, alts), = s.logprobs  # ... and its logprob is the model's own
+        assert lp == pytest.approx(float(logp[i, 0]))
+        assert [t for t, _ in alts] == logp[i].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 1e-40}, {"temperature": float("nan")},
+                                    {"temperature": float("inf")}, {"top_p": float("nan")},
+                                    {"presence_penalty": 2.5}, {"frequency_penalty": float("nan")},
+                                    {"repetition_penalty": 0}, {"logit_bias": ((1, 101.0),)}, {"logprobs": 21}])
+def test_non_finite_or_out_of_range_params_are_refused(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_verify_applies_penalties_with_the_drafts_in_the_history():
+    """A greedy request with a repetition penalty: verifying drafts gives what one-token steps give, each row
+    penalised with the drafts before it."""
+    p = SamplingParams(repetition_penalty=3.0, frequency_penalty=1.0, logprobs=1)
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(9))
+    state = RequestState(Request("r", 0.0, 2, 8, prompt_token_ids=(1, 2), sampling=p))
+    state.output_token_ids = [5]
+    want, shadow = [], RequestState(state.request, output_token_ids=[5])
+    for i in range(4):  # sequential greedy decodes: row i sees the tokens chosen before it
+        want.append(int(adjust(logits[i], p, shadow).argmax()))
+        shadow.output_token_ids.append(want[-1])
+    drafts = want[:3]
+    assert Sampler().verify(logits, drafts, state) == want  # every draft accepted, plus the bonus token
+    assert len(state.logprobs) == 4
+    wrong = [want[0], (want[1] + 1) % 12, 0]
+    assert Sampler().verify(logits, wrong, state) == want[:2]  # stops at the first mismatch with the target's token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -17,17 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.batch import Batch
+from core.interfaces import StepOutput
 from core.loop import ServingLoop
 from core.metrics import ITLPool
 from core.realtime import RealTimeClock
 from core.records import StepRecord
 from core.request import Request, RequestState, Status
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_id: int
     time_s: float
+    logprob: tuple | None = None  # (logprob, ((token id, logprob), ...)) when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,8 @@ class LoopThread:
         self.streams: dict[str, Stream] = {}  # loop thread only
         self.snapshot = Snapshot(kv_total_blocks=sum(r.kv.num_blocks for r in loop.replicas))
         self.pending = 0  # submissions not yet dispatched (handler side, event-loop thread only)
+        self.failed: dict[str, str] = {}  # requests whose step raised -> the error they end with (loop thread)
+        loop.executors = [IsolatedExecutor(ex, self._step_failed) for ex in loop.executors]
         loop.on_step.append(self._on_step)
         loop.on_terminal.append(self._on_terminal)
         self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
@@ -123,8 +130,15 @@ class LoopThread:
 
     # ---- loop thread ----------------------------------------------------------------------------------------
     def _dispatch(self, stream: Stream) -> RequestState:
-        self.streams[stream.request.id] = stream  # before dispatch: a rejection ends it inside dispatch
-        state = self.loop.dispatch(stream.request)
+        rid = stream.request.id
+        if rid in self.streams:  # never replace a live request's stream: its tokens would go to this one
+            raise ValueError(f"request id {rid!r} belongs to a request still running; request ids must be unique")
+        self.streams[rid] = stream  # before dispatch: a rejection ends it inside dispatch
+        try:
+            state = self.loop.dispatch(stream.request)
+        except BaseException:
+            self.streams.pop(rid, None)
+            raise
         self._refresh()
         return state
 
@@ -141,10 +155,9 @@ class LoopThread:
         for ch in batch.chunks:
             if ch.samples:
                 stream = self.streams.get(ch.state.id)
-                if stream is not None:  # one token, or several when the step verified drafts
-                    tokens = ch.state.output_token_ids
-                    out += [(stream.queue, TokenEvent(t, now)) for t in tokens[stream.delivered:]]
-                    stream.delivered = len(tokens)
+                # one token, or several when the step verified drafts (none from a failed step)
+                if stream is not None and ch.state.id not in self.failed:
+                    out += _events(stream, ch.state, now)
         self._refresh()  # before the tokens go out: a client that sees a token sees the load it came with
         if out:
             self.aio.call_soon_threadsafe(_deliver, out)
@@ -154,14 +167,26 @@ class LoopThread:
     def _on_terminal(self, state: RequestState, now: float) -> None:
         stream = self.streams.pop(state.id, None)
         if stream is not None:  # a request ends inside apply(), before the step's tokens go out: send its last ones
-            last = [(stream.queue, TokenEvent(t, now)) for t in state.output_token_ids[stream.delivered:]]
-            items = [*last, (stream.queue, EndEvent(state.status, state.reason))]
+            error = self.failed.pop(state.id, None)
+            if error is not None and state.status is Status.FINISHED:  # the failed step's placeholder was its last
+                state.status, state.reason = Status.CANCELLED, error  # token: the run files must not say FINISHED
+            end = EndEvent(state.status, state.reason) if error is None else EndEvent(Status.CANCELLED, error)
+            items = [*(_events(stream, state, now) if error is None else ()), (stream.queue, end)]
             # sent once this turn of the loop is over, after the step's listeners (the metrics): a client that has
             # seen its request end finds all of its tokens in /metrics
             if self.clock.call(lambda: self.aio.call_soon_threadsafe(_deliver, items)).done():  # clock stopped
                 self.aio.call_soon_threadsafe(_deliver, items)
         if self.metrics is not None:
             self.metrics.on_terminal(state)
+
+    def _step_failed(self, batch: Batch, error: Exception) -> None:
+        """A step raised: its requests end with the error (their placeholder tokens never reach a client); the
+        loop and every other request run on."""
+        reason = f"engine error: {type(error).__name__}: {error}"
+        log.error("a step of %d requests failed (%s); ending them, serving on", len(batch.chunks), reason)
+        for ch in batch.chunks:
+            self.failed[ch.state.id] = reason
+            self._end_early(ch.state.id, Status.CANCELLED, reason)  # on the loop thread, inside the step
 
     def _refresh(self) -> None:
         reps: Sequence = self.loop.replicas
@@ -186,6 +211,32 @@ class LoopThread:
         loop = self.loop
         return self.clock.call(lambda: ([s for s in loop.states if s.status.terminal], list(loop.steps),
                                         copy.deepcopy(loop.itl_pool))).result(timeout=30)
+
+
+class IsolatedExecutor:
+    """An executor whose failing step does not end the serving loop: ``on_error(batch, exc)`` is told, and the step
+    yields placeholder tokens (token 0, one per sampling chunk) in no time. Everything else is the wrapped one's."""
+
+    def __init__(self, inner: Any, on_error) -> None:
+        self.inner, self.on_error = inner, on_error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute(self, batch: Batch) -> StepOutput:
+        try:
+            return self.inner.execute(batch)
+        except Exception as e:
+            self.on_error(batch, e)
+            return StepOutput([0] * sum(ch.samples for ch in batch.chunks), 0.0)
+
+
+def _events(stream: Stream, state: RequestState, now: float) -> list[tuple[asyncio.Queue, TokenEvent]]:
+    """The tokens of ``state`` not yet handed to ``stream`` (with their logprobs, when it asked for them)."""
+    tokens, lps, start = state.output_token_ids, state.logprobs, stream.delivered
+    stream.delivered = len(tokens)
+    return [(stream.queue, TokenEvent(t, now, lps[j] if lps is not None and j < len(lps) else None))
+            for j, t in enumerate(tokens[start:], start)]
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TokenEvent | EndEvent]]) -> None:

@@ -17,15 +17,53 @@ class NoTemplate:
 
 @pytest.mark.parametrize("body,param", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 100}, "max_tokens"),
-    ({"temperature": -1}, "sampling"), ({"top_p": 0}, "sampling"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 1e-40}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"seed": 2**70}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [10**12]}, "stop_token_ids"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"99": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 200}}, "logit_bias"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"response_format": {"type": "json_object"}},
+                                                               "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
     ({"n": 2}, "n"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": 1}}, "include_usage"),
 ])
 def test_bad_fields_name_themselves(body, param):
     with pytest.raises(APIError) as e:
-        parse_generation(body, (1, 2, 3), max_model_len=64, default_sampling=DEFAULT)
+        parse_generation(body, (1, 2, 3), max_model_len=64, default_sampling=DEFAULT, vocab_size=50)
     assert e.value.status == 400 and e.value.param == param
+    assert param in e.value.message
+
+
+def test_neutral_values_of_unsupported_fields_pass_and_chat_logprobs_use_top_logprobs():
+    body = {"best_of": 1, "tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "suffix": "",
+            "presence_penalty": 0, "logit_bias": {}}
+    assert parse_generation(body, (1,), 64, DEFAULT).logprobs is None
+    g = parse_generation({"logprobs": True, "top_logprobs": 3, "logit_bias": {"7": -100}, "frequency_penalty": 0.5},
+                         (1,), 64, DEFAULT, vocab_size=50, chat=True)
+    assert g.logprobs == 3 and g.sampling.logprobs == 3 and g.sampling.logit_bias == ((7, -100.0),)
+    assert g.sampling.frequency_penalty == 0.5
+    with pytest.raises(APIError) as e:
+        parse_generation({"top_logprobs": 2}, (1,), 64, DEFAULT, chat=True)
+    assert e.value.param == "top_logprobs"
+    with pytest.raises(APIError) as e:  # a simulated model has no logits to bias
+        parse_generation({"logit_bias": {"1": 5}}, (1,), 64, DEFAULT, has_logits=False)
+    assert e.value.param == "logit_bias" and "backend=sim" in e.value.message
+    assert parse_generation({"repetition_penalty": 1, "logprobs": None}, (1,), 64, DEFAULT, has_logits=False)
+
+
+def test_text_prompts_are_bounded_and_valid_unicode():
+    with pytest.raises(APIError) as e:
+        completion_prompt({"prompt": "w1 \ud800 w2"}, NoTemplate(), 10)
+    assert e.value.status == 400 and e.value.param == "prompt" and "surrogate" in e.value.message
+    with pytest.raises(APIError) as e:
+        completion_prompt({"prompt": "x" * 101}, NoTemplate(), 10, max_chars=100)
+    assert e.value.status == 413 and "serve.max_prompt_chars" in e.value.message
 
 
 def test_defaults_and_vllm_extensions():
