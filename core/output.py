@@ -245,7 +245,8 @@ def _write_csv(path: Path, header: Sequence[str], chunks: Iterable[Sequence[Colu
     """The header, then the rows of each chunk of columns (taken after the header is written: a file cut short by
     an error still shows what it is) formatted column by column, ``_CHUNK_ROWS`` rows at a time. A cell's text
     does not depend on the chunks. (``types``: as ``_write_parquet``'s, not needed here.)"""
-    with open(path, "w", newline="") as f:
+    # backslashreplace: a text no UTF-8 can hold (a lone surrogate) is escaped, never a failed write
+    with open(path, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
         f.write(",".join(_quote(list(header))) + "\n")
         for columns in chunks:
             n = len(columns[0]) if columns else 0
@@ -519,6 +520,9 @@ def table_path(path: str | Path, table: str | None = None) -> Path:
     for c in candidates:
         if c.is_file():
             return c
+    if p.is_dir() and (p / "journal" / "requests.jsonl").is_file():  # core.journal.JOURNAL_DIR, REQUESTS
+        raise FileNotFoundError(f"{p} holds the journal of a session that has not written its run files (still "
+                                f"running, or killed): `twinserve recover {p}` writes them")
     raise FileNotFoundError(f"no {' or '.join(c.name for c in candidates)} in {candidates[0].parent}")
 
 

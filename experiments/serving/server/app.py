@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from core.journal import safe_text
 from core.request import Request, SamplingParams, Status
 from core.specs import ModelSpec
 from engine.tokenizer import IncrementalDetokenizer
@@ -114,7 +115,7 @@ class OpenAIServer:
                 raise APIError(f"too many requests waiting ({snap.num_waiting} >= serve.max_waiting="
                                f"{self.settings.max_waiting}); retry later", status=429, kind="rate_limit_error")
             # a client's X-Request-Id names the request in the run files too (its records and ours then pair up)
-            rid = request.headers.get("X-Request-Id") or protocol.new_id("chatcmpl" if chat else "cmpl")
+            rid = _request_id(request, chat)
             req = Request(rid, self.bridge.now(), len(gen.prompt_ids), gen.max_tokens, prompt_token_ids=gen.prompt_ids,
                           sampling=gen.sampling, ignore_eos=gen.ignore_eos, min_tokens=gen.min_tokens,
                           stop_token_ids=gen.stop_token_ids)
@@ -224,6 +225,11 @@ class OpenAIServer:
         await send("[DONE]")
         await response.write_eof()
         return response
+
+
+def _request_id(request: web.Request, chat: bool) -> str:
+    """The client's X-Request-Id (any bytes it holds made writable: ``core.journal.safe_text``), else a new id."""
+    return safe_text(request.headers.get("X-Request-Id") or "") or protocol.new_id("chatcmpl" if chat else "cmpl")
 
 
 async def drain(server: OpenAIServer, timeout_s: float) -> None:
