@@ -10,7 +10,8 @@ metrics.json, which stays byte-identical across same-seed reruns.
 loadgen): every file is written into a temporary directory inside the run directory and renamed into place,
 metrics.json last, after the run files an earlier run left there were removed. metrics.json's ``run_status`` says
 what the directory holds: ``complete``; ``running`` (a server's periodic flush); ``interrupted`` (the run or the
-writing stopped early: Ctrl-C, an error, ``error`` says which). Only a complete run's data files carry their
+writing stopped early: Ctrl-C, an error, ``error`` says which); ``failed`` (it ended, but too many of its
+requests failed: a load test against a dead server). Only a complete run's data files carry their
 usual names; any other run keeps them as ``<name>.partial`` (``requests.csv.partial``, ...), which no reader of
 run directories opens by mistake. A crash between the renames leaves no metrics.json at all: no metrics.json, or
 one whose ``run_status`` is not ``complete``, means the directory does not hold a complete run.
@@ -57,7 +58,8 @@ TOKEN_COLUMNS = ("request_id", "index", "time_s", "num_tokens")  # index: the ev
 _STR_COLUMNS = ("id", "tenant", "status", "reason", "request_id")
 
 COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"  # metrics.json's run_status
-RUN_STATUSES = (COMPLETE, RUNNING, INTERRUPTED)
+FAILED = "failed"  # the run ended, but too many of its requests failed (a load test: target.max_failed_share)
+RUN_STATUSES = (COMPLETE, RUNNING, INTERRUPTED, FAILED)
 FORMATS = ("csv", "parquet")  # output.format
 TOKEN_OUTPUTS = ("all", "none")  # output.tokens: every output event in the tokens file, or no tokens file
 TABLES = ("requests", "tokens", "steps")
