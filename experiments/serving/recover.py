@@ -1,63 +1,20 @@
-"""A served session's (or a load test's) run journal (``core.journal``) on the run path, and `twinserve recover DIR`.
-
-While a session runs, its run directory holds ``journal/`` and a small metrics.json whose ``run_status`` is
-``running`` (``write_status``: counts so far, rewritten every ``serve.flush_interval_s``). At a clean end the journal
-becomes the usual run files (``journal_result``: the same bytes the states kept in memory would give) and is
-removed. A session killed or crashed leaves the journal: ``twinserve recover DIR`` (``recover``) writes its run
-files as ``.partial`` files with ``run_status: interrupted``, the reason in ``error``, every request that ended, and
-the requests that were in flight as CANCELLED (``num_unfinished`` counts them). Anything that serves or drives
-requests for a long time (the server, loadgen, a gateway) journals the same way.
+"""`twinserve recover DIR`: the run files of a served session (or a load test) that was killed, from its run journal
+(``core.journal``, ``experiments.serving.journal``): ``recover`` writes them as ``.partial`` files with
+``run_status: interrupted``, the reason in ``error``, every request that ended, and the requests that were in flight
+as CANCELLED (``num_unfinished`` counts them). Anything that serves or drives requests for a long time (the server,
+loadgen, a gateway) journals the same way.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from core.journal import JournalContents, RunJournal, has_journal, read_journal, remove_journal
-from core.loop import RunResult
-from core.metrics import ITLPool
-from core.output import INTERRUPTED, RUNNING, dumps_metrics, remove_run_files
-
-SERVE, LOADGEN = "serve", "loadgen"  # meta.json's "kind": which writer turns the journal into run files
-CONFIG = "config.yaml"
-
-
-def open_journal(out_dir: str | Path, kind: str, backend: str, config_text: str) -> RunJournal:
-    """Start a session's journal in ``out_dir`` (the run files an earlier run left there are removed: the directory
-    is this session's) and say so in metrics.json."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    journal = RunJournal(out, {"kind": kind, "backend": backend}, {CONFIG: config_text})
-    remove_run_files(out)
-    write_status(out, journal, backend)
-    return journal
-
-
-def write_status(out_dir: str | Path, journal: RunJournal, backend: str) -> None:
-    """metrics.json while the session runs (atomic): ``running``, requests ended and in flight so far."""
-    out = Path(out_dir)
-    status = {"run_status": RUNNING, "backend": backend, "journal": f"{journal.dir.name}/",
-              "num_requests": journal.num_ended, "num_unfinished": journal.num_live, "num_steps": journal.num_steps}
-    tmp = out / ".metrics.json.tmp"
-    tmp.write_text(dumps_metrics(status))
-    os.replace(tmp, out / "metrics.json")
-
-
-def journal_result(contents: JournalContents, end_s: float, wall_s: float, tokens: str,
-                   prompt_len_edges: Sequence[int]) -> RunResult:
-    """The run result a journal holds: every request (in flight ones CANCELLED) and step; with ``tokens`` ``none``,
-    the ITL pool the loop would have kept (each ended request folded in the order it ended)."""
-    pool = None
-    if tokens == "none":
-        pool = ITLPool(prompt_len_edges)
-        for s in contents.ended:
-            pool.fold(s)
-    return RunResult(contents.states, contents.steps, end_s, wall_s, itl_pool=pool)
+from core.journal import JournalContents, has_journal, read_journal, remove_journal
+from core.output import INTERRUPTED
+from experiments.serving.journal import CONFIG, LOADGEN, SERVE, journal_result
 
 
 def interrupted_note(contents: JournalContents, reason: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from experiments.build import build_loop
 from experiments.cli import hydra_app
 from experiments.config import RunConfig
 from experiments.run import config_yaml, finish_run
-from experiments.serving.recover import SERVE, journal_result, open_journal, write_status
+from experiments.serving.journal import SERVE, journal_result, open_journal, write_status
 from experiments.serving.server.app import OpenAIServer, ServerSettings, drain
 from experiments.serving.server.bridge import LoopThread, NoArrivals
 from experiments.serving.server.metrics import ServerMetrics

@@ -17,7 +17,7 @@ from core.metrics import ITLPool, summarize
 from core.output import write_run
 from core.replica import Replica, SchedulerLimits
 from core.request import Request, RequestState, Status
-from experiments.serving.recover import journal_result
+from experiments.serving.journal import journal_result
 from policies.eviction.lru import LRUEviction
 from policies.routers.round_robin import RoundRobinRouter
 from policies.schedulers.sarathi import SarathiScheduler

@@ -64,10 +64,10 @@ from core.request import Request, RequestState, Status
 from core.specs import ModelSpec
 from experiments.cli import hydra_app
 from experiments.config import MetricsConfig, OutputConfig, plain, section
+from experiments.serving.journal import LOADGEN, open_journal
 from experiments.serving.loadgen.client import CLIENT_COLUMNS, ClientRecord, LoadGen, LoadgenResult
 from experiments.serving.loadgen.prompts import build_prompts
 from experiments.serving.loadgen.target import Target
-from experiments.serving.recover import LOADGEN, open_journal
 
 LAG_PERCENTILES = (50, 90, 99, 99.9)
 EXIT_RUN_FAILED = 1  # more than target.max_failed_share of the requests failed
