@@ -132,3 +132,25 @@ def test_gauges_fall_when_every_running_request_is_aborted_and_nothing_else_come
         assert s.stop() == 0
     statuses = [r["status"] for r in rows(tmp_path / "run" / "requests.csv")]
     assert statuses == ["CANCELLED"] * 4
+
+
+def test_an_id_with_any_bytes_is_written(tmp_path):
+    """An X-Request-Id holding a byte no UTF-8 decodes (0xff) names its request as the text ``\\xff``; every flush and
+    the final write succeed."""
+    s = ServerProcess(None, tmp_path / "run", "backend=sim", "serve.flush_interval_s=0.2")
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        c.putrequest("POST", "/v1/completions")
+        c.putheader("Content-Type", "application/json")
+        c.putheader("X-Request-Id", b"id-\xff-end")  # sent as the raw byte
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode()
+        c.putheader("Content-Length", str(len(body)))
+        c.endheaders(body)
+        r = c.getresponse()
+        answer = json.loads(r.read())
+        assert r.status == 200 and answer["id"] == "id-\\xff-end"
+        post(s, 2)
+        wait_for(lambda: status_file(tmp_path / "run").get("num_requests") == 3, what="a flush")
+    finally:
+        assert s.stop() == 0
+    assert sorted(r["id"] for r in rows(tmp_path / "run" / "requests.csv"))[-1] == "id-\\xff-end"
