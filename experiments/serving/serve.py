@@ -144,7 +144,10 @@ async def run_until_signalled(app: web.Application, host: str, port: int, drain_
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.add_signal_handler(sig, on_signal, sig)
     try:
-        await web.TCPSite(runner, host, port).start()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:  # a user error in one line (experiments.cli): the port is taken, the host unknown
+            raise ValueError(f"serve.host={host} serve.port={port}: cannot listen there ({e.strerror or e})") from None
         await stop.wait()
         await drain(app[SERVER], drain_s)
     finally:
