@@ -230,9 +230,11 @@ def test_unreachable_server_rejects_every_request_and_the_run_fails(tmp_path):
         assert done.returncode == (1 if model.endswith("=m") else 2) and "127.0.0.1" in errors[0]
 
 
-def test_ctrl_c_leaves_partial_files_with_every_request(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_an_interrupted_or_killed_load_test_leaves_every_request(tmp_path, sig):
     """SIGINT while requests stream: exit 130, .partial files with run_status interrupted, the requests that had
-    ended and the ones in flight (CANCELLED), so every request sent is accounted for."""
+    ended and the ones in flight (CANCELLED), so every request sent is accounted for. SIGKILL: its journal, which
+    `twinserve recover` turns into the same."""
     import signal
     import subprocess
     import time
@@ -250,9 +252,15 @@ def test_ctrl_c_leaves_partial_files_with_every_request(tmp_path):
         while len(srv.log) < 8 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    if sig == "SIGKILL":
+        assert json.loads((tmp_path / "metrics.json").read_text())["run_status"] == "running"
+        from experiments.serving.recover import recover
+
+        recover(tmp_path)
+    else:
+        assert proc.returncode == 130 and "Traceback" not in err, err
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["run_status"] == "interrupted" and metrics["num_unfinished"] == 5
     req = read_requests_csv(tmp_path / "requests.csv.partial")
