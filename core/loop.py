@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from core.batch import Batch
 from core.fast_forward import DecodeRun
@@ -108,6 +108,19 @@ class RunResult:
     itl_pool: ITLPool | None = None  # the ITL samples of the requests folded as they ended (``ServingLoop``)
 
 
+class Journal(Protocol):
+    """Where a loop that keeps only live requests sends the rest (``core.journal.RunJournal``)."""
+
+    ids: Any  # ids seen so far: ``in`` and ``add``
+
+    def admit(self, state: RequestState) -> None: ...
+
+    def end(self, state: RequestState) -> None: ...
+
+    def add(self, replica: int, start_s: float, duration_s: float, features: Sequence[int], kv_blocks_used: int,
+            num_preempted: int) -> None: ...
+
+
 StepListener = Callable[[int, Batch, StepRecord], None]
 TerminalListener = Callable[[RequestState, float], None]
 
@@ -147,11 +160,21 @@ class ServingLoop:
         self.batches: list[Batch] = []
         self.on_step: list[StepListener] = []
         self.on_terminal: list[TerminalListener] = []
+        self.on_idle: list[Callable[[int], None]] = []  # a replica found nothing to run (gauges refresh)
+        self.journal: Journal | None = None  # set by journal_to: ended requests and steps go there, not to memory
         self.clock: Clock | None = None
         self._clock_drives_decodes = False
         self._ids: set[str] = set()
         for r in self.replicas:
             r.on_terminal = self._terminal
+
+    def journal_to(self, journal: Journal) -> None:
+        """Keep only live requests (a server, for as long as it runs): each request is told to ``journal`` when
+        it is queued and when it ends instead of kept in ``states``, each step goes to it instead of ``steps``,
+        request ids into its compact ``ids`` (``core.journal.RunJournal``). No step is fast-forwarded, no ITL
+        pool kept (the journal has every token time)."""
+        self.journal, self.steps, self._ids = journal, journal, journal.ids
+        self.fast_forward, self.itl_pool = False, None
 
     def processes(self, clock: Clock) -> list[Process]:
         """The processes to run on ``clock``: the workload's arrivals and one per replica."""
@@ -189,7 +212,10 @@ class ServingLoop:
         self._ids.add(req.id)
         idx = self._route(req)
         state = self.replicas[idx].add(req, self.clock.now)
-        self.states.append(state)
+        if self.journal is None:
+            self.states.append(state)
+        elif not state.status.terminal:  # rejected at once: its end record holds the request
+            self.journal.admit(state)
         self.clock.wake(idx)
         return state
 
@@ -228,6 +254,8 @@ class ServingLoop:
                                        f"with {len(replica.running)} running requests on replica {i}")
                 if replica.waiting and not replica.sending:
                     continue  # the replica rejected an unschedulable head request; try the next one
+                for listener in self.on_idle:
+                    listener(i)
                 yield Idle(i)
                 continue
             sched_s = stopwatch() - t0 if stopwatch else 0.0
@@ -272,6 +300,8 @@ class ServingLoop:
 
     def _terminal(self, state: RequestState, now: float) -> None:
         self.executors[state.replica].release(state.id)
+        if self.journal is not None:  # before the listeners: a client told of the end finds it journaled
+            self.journal.end(state)
         for listener in self.on_terminal:
             listener(state, now)
         nxt = self.workload.on_finish(state, now)

@@ -10,7 +10,8 @@ metrics.json, which stays byte-identical across same-seed reruns.
 loadgen): every file is written into a temporary directory inside the run directory and renamed into place,
 metrics.json last, after the run files an earlier run left there were removed. metrics.json's ``run_status`` says
 what the directory holds: ``complete``; ``running`` (a server's periodic flush); ``interrupted`` (the run or the
-writing stopped early: Ctrl-C, an error, ``error`` says which). Only a complete run's data files carry their
+writing stopped early: Ctrl-C, an error, ``error`` says which); ``failed`` (it ended, but too many of its
+requests failed: a load test against a dead server). Only a complete run's data files carry their
 usual names; any other run keeps them as ``<name>.partial`` (``requests.csv.partial``, ...), which no reader of
 run directories opens by mistake. A crash between the renames leaves no metrics.json at all: no metrics.json, or
 one whose ``run_status`` is not ``complete``, means the directory does not hold a complete run.
@@ -57,7 +58,8 @@ TOKEN_COLUMNS = ("request_id", "index", "time_s", "num_tokens")  # index: the ev
 _STR_COLUMNS = ("id", "tenant", "status", "reason", "request_id")
 
 COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"  # metrics.json's run_status
-RUN_STATUSES = (COMPLETE, RUNNING, INTERRUPTED)
+FAILED = "failed"  # the run ended, but too many of its requests failed (a load test: target.max_failed_share)
+RUN_STATUSES = (COMPLETE, RUNNING, INTERRUPTED, FAILED)
 FORMATS = ("csv", "parquet")  # output.format
 TOKEN_OUTPUTS = ("all", "none")  # output.tokens: every output event in the tokens file, or no tokens file
 TABLES = ("requests", "tokens", "steps")
@@ -245,7 +247,8 @@ def _write_csv(path: Path, header: Sequence[str], chunks: Iterable[Sequence[Colu
     """The header, then the rows of each chunk of columns (taken after the header is written: a file cut short by
     an error still shows what it is) formatted column by column, ``_CHUNK_ROWS`` rows at a time. A cell's text
     does not depend on the chunks. (``types``: as ``_write_parquet``'s, not needed here.)"""
-    with open(path, "w", newline="") as f:
+    # backslashreplace: a text no UTF-8 can hold (a lone surrogate) is escaped, never a failed write
+    with open(path, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
         f.write(",".join(_quote(list(header))) + "\n")
         for columns in chunks:
             n = len(columns[0]) if columns else 0
@@ -519,6 +522,9 @@ def table_path(path: str | Path, table: str | None = None) -> Path:
     for c in candidates:
         if c.is_file():
             return c
+    if p.is_dir() and (p / "journal" / "requests.jsonl").is_file():  # core.journal.JOURNAL_DIR, REQUESTS
+        raise FileNotFoundError(f"{p} holds the journal of a session that has not written its run files (still "
+                                f"running, or killed): `twinserve recover {p}` writes them")
     raise FileNotFoundError(f"no {' or '.join(c.name for c in candidates)} in {candidates[0].parent}")
 
 

@@ -31,6 +31,7 @@ USER_ERRORS = (ValueError, OmegaConfBaseException, FileNotFoundError)
 COMMANDS = {
     "run": "experiments.run", "estimate": "experiments.estimate",
     "serve": "experiments.serving.serve", "loadgen": "experiments.serving.loadgen.run",
+    "recover": "experiments.serving.recover",
     "calibrate": "experiments.calibration.calibrate", "compare": "experiments.calibration.compare",
     "pipeline": "experiments.calibration.pipeline", "published": "experiments.calibration.published",
     "study": "experiments.studies.study", "capacity": "experiments.studies.capacity",
@@ -39,7 +40,8 @@ COMMANDS = {
     "bench_sim": "experiments.benchmarks.sim", "bench_engine": "experiments.benchmarks.engine",
     "bench_moe": "experiments.benchmarks.moe",
     "bench_gpu": "experiments.benchmarks.gpu", "bench_serve": "experiments.benchmarks.serve",
-    "bench_loadgen": "experiments.benchmarks.loadgen", "gpu_check": "experiments.benchmarks.gpu_check",
+    "bench_loadgen": "experiments.benchmarks.loadgen", "bench_soak": "experiments.benchmarks.soak",
+    "gpu_check": "experiments.benchmarks.gpu_check",
     "tiny_checkpoint": "experiments.benchmarks.tiny_checkpoint", "fake_openai": "experiments.serving.fake_openai",
 }
 

@@ -1,7 +1,10 @@
 """`python -m experiments.serve`: our engine (any ``model=``, scheduler, eviction, router, replicas) behind an
 OpenAI-compatible server on the wall clock. The run directory gets the usual run files, written at shutdown, so a
-served session is analysed, replayed and calibrated like any run; every ``serve.flush_interval_s`` while serving,
-a snapshot is written as ``.partial`` files beside a metrics.json whose ``run_status`` is ``running``.
+served session is analysed, replayed and calibrated like any run. While serving, memory holds only live requests:
+each request is journaled as it is queued and as it ends, each step as it runs (``core.journal``, under
+``journal/``); every ``serve.flush_interval_s`` the journal is fsynced and metrics.json (``run_status: running``)
+updated with the counts. At shutdown the journal becomes the run files; a killed server leaves it for
+``twinserve recover DIR`` (``experiments.serving.recover``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -18,20 +22,21 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core.checks import check_float, check_int
-from core.loop import RunResult
-from core.output import RUNNING
+from core.journal import read_journal, remove_journal
 from core.realtime import RealTimeClock
 from core.request import SamplingParams
 from experiments.build import build_loop
 from experiments.cli import hydra_app
 from experiments.config import RunConfig
-from experiments.run import finish_run, write_run_dir
+from experiments.run import config_yaml, finish_run
+from experiments.serving.journal import SERVE, journal_result, open_journal, write_status
 from experiments.serving.server.app import OpenAIServer, ServerSettings, drain
 from experiments.serving.server.bridge import LoopThread, NoArrivals
 from experiments.serving.server.metrics import ServerMetrics
 from experiments.serving.server.protocol import PROMPT_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
+SERVER = web.AppKey("server", OpenAIServer)
 
 
 def _seconds(cfg: DictConfig, key: str) -> float:
@@ -68,9 +73,13 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
     server = OpenAIServer(run.model, tokenizer, _settings(cfg, name, max_waiting, sampling, run.engine is not None,
                                                           run.model.max_model_len))
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[server.middleware])
+    app[SERVER] = server
     app.add_routes(server.routes())
     tasks: dict[str, asyncio.Task] = {}
 
+    label = run.backend
+    journal = open_journal(out_dir, SERVE, label, config_yaml(run.config))
+    loop.journal_to(journal)  # memory holds live requests only; ended ones and steps are in the run directory
     write_lock, finished = threading.Lock(), []
 
     def write(final: bool) -> None:
@@ -79,17 +88,17 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
         with write_lock:
             if finished:
                 return
-            bridge = server.bridge
-            if bridge.thread.is_alive():
-                states, steps, pool = bridge.records()
-            else:  # stopped: its state is ours to read
-                states, steps, pool = [s for s in loop.states if s.status.terminal], list(loop.steps), loop.itl_pool
-            result = RunResult(states, steps, bridge.now(), bridge.now(), itl_pool=pool)
-            if final:  # the run path's own end: checks, host-tier section, the complete run files
-                finish_run(run, loop, result, out_dir)
-                finished.append(True)
-            else:  # while serving: a snapshot (run_status "running", data files named .partial), no figures
-                write_run_dir(run, result, out_dir, run_status=RUNNING, plots=False)
+            if not final:  # while serving: fsync the journal, a small metrics.json (run_status "running")
+                journal.flush()
+                write_status(out_dir, journal, label)
+                return
+            # the run path's own end from the journal: checks, host-tier section, the complete run files
+            journal.close()
+            now = server.bridge.now()
+            result = journal_result(read_journal(out_dir), now, now, run.output.tokens, run.metrics.prompt_len_edges)
+            finish_run(run, loop, result, out_dir)
+            remove_journal(out_dir)
+            finished.append(True)
 
     async def flush_periodically() -> None:
         while True:
@@ -121,12 +130,44 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
 
 
 def serve(cfg: DictConfig, out_dir: str | Path) -> None:
-    """Serve until SIGINT / SIGTERM, then drain and write the run directory."""
+    """Serve until SIGINT / SIGTERM, then drain and write the run directory (``run_until_signalled``)."""
     app = build_app(cfg, out_dir)
     host, port = cfg.serve.host, int(cfg.serve.port)
     log.info(f"serving on http://{host}:{port} (run files: {out_dir})")
-    web.run_app(app, host=host, port=port, handler_cancellation=True,
-                shutdown_timeout=_seconds(cfg, "drain_timeout_s"), print=None, access_log=None)
+    asyncio.run(run_until_signalled(app, host, port, _seconds(cfg, "drain_timeout_s")))
+
+
+async def run_until_signalled(app: web.Application, host: str, port: int, drain_s: float) -> None:
+    """Serve ``app`` until the first SIGINT / SIGTERM; then drain while still listening (new requests get 503,
+    /health says ``draining``) for up to ``drain_s``; a second signal cancels the requests still running; then
+    stop listening, and the app's cleanup writes the run files. Later signals are ignored (logged)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s)
+    await runner.setup()
+    aio, stop, signals = asyncio.get_running_loop(), asyncio.Event(), []
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig)
+        server: OpenAIServer = app[SERVER]
+        if len(signals) == 1:
+            log.info(f"{sig.name}: draining (up to {drain_s} s; a second signal cancels what is running)")
+            stop.set()
+        elif len(signals) == 2 and server.bridge is not None:
+            log.info(f"{sig.name} again: cancelling the requests still running, then writing the run files")
+            server.bridge.hurry.set()
+        else:
+            log.info(f"{sig.name}: already shutting down (writing the run files)")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, on_signal, sig)
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:  # a user error in one line (experiments.cli): the port is taken, the host unknown
+            raise ValueError(f"serve.host={host} serve.port={port}: cannot listen there ({e.strerror or e})") from None
+        await stop.wait()
+        await drain(app[SERVER], drain_s)
+    finally:
+        await runner.cleanup()
 
 
 @hydra_app("serve")

@@ -17,6 +17,7 @@ import aiohttp
 import yarl
 
 from core.interfaces import Workload
+from core.journal import RunJournal
 from core.request import Request, RequestState, Status
 from experiments.serving.loadgen.prompts import Prompts
 from experiments.serving.loadgen.target import Target
@@ -96,8 +97,9 @@ class LoadGen:
     """One replay of ``workload`` against ``target`` (``run()`` once)."""
 
     def __init__(self, workload: Workload, target: Target, prompts: Prompts, progress: bool = False,
-                 total: int | None = None) -> None:
+                 total: int | None = None, journal: RunJournal | None = None) -> None:
         self.workload, self.target, self.prompts = workload, target, prompts
+        self.journal = journal  # told of each request as it starts and as it ends (core.journal)
         self.progress, self.total = progress, total
         self.states: list[RequestState] = []
         self.records: list[ClientRecord] = []
@@ -138,8 +140,9 @@ class LoadGen:
                     raise ValueError(_error_text(r.status, body))
                 return json.loads(body)["data"][0]["id"]
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, IndexError) as e:
-            raise RuntimeError(f"target.model is null and GET {url} gave no model ({type(e).__name__}: {e}); "
-                               "check target.url or set target.model") from e
+            # a user error, in one line (experiments.cli): no chained traceback before the message
+            raise ValueError(f"target.model is null and GET {url} gave no model ({_exception_text(e)}); "
+                             "check target.url or set target.model") from None
 
     async def _warm_up(self, session: aiohttp.ClientSession) -> None:
         """Open a few keep-alive connections before the clock starts (a GET of the models list each, whatever it
@@ -270,6 +273,8 @@ class LoadGen:
         rec = ClientRecord(req.id, due - self.t0)
         self.states.append(state)
         self.records.append(rec)
+        if self.journal is not None:
+            self.journal.admit(state)
         await self._until(due, rec)
         deadline = None if self.target.timeout_s is None else due + self.target.timeout_s
         cm = asyncio.timeout_at(deadline)
@@ -308,6 +313,8 @@ class LoadGen:
         self._finished(state, now)
 
     def _finished(self, state: RequestState, now: float) -> None:
+        if self.journal is not None:
+            self.journal.end(state)
         self.bar.update(1)
         nxt = self.workload.on_finish(state, now)
         if nxt is not None:

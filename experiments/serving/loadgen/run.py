@@ -41,12 +41,15 @@ due within ``GC_QUIET_S``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import logging
 import math
+import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,16 +57,21 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.interfaces import Workload
+from core.journal import read_journal, remove_journal
 from core.metrics import stats
-from core.request import Request, RequestState
+from core.output import COMPLETE, FAILED, INTERRUPTED, write_run
+from core.request import Request, RequestState, Status
 from core.specs import ModelSpec
 from experiments.cli import hydra_app
 from experiments.config import MetricsConfig, OutputConfig, plain, section
-from experiments.serving.loadgen.client import CLIENT_COLUMNS, ClientRecord, LoadGen
+from experiments.serving.journal import LOADGEN, open_journal
+from experiments.serving.loadgen.client import CLIENT_COLUMNS, ClientRecord, LoadGen, LoadgenResult
 from experiments.serving.loadgen.prompts import build_prompts
 from experiments.serving.loadgen.target import Target
 
 LAG_PERCENTILES = (50, 90, 99, 99.9)
+EXIT_RUN_FAILED = 1  # more than target.max_failed_share of the requests failed
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 log = logging.getLogger(__name__)
 
 
@@ -87,53 +95,105 @@ def _client_csv(records: Sequence[ClientRecord]) -> str:
 
 def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | None = None) -> dict[str, Any]:
     """Replay ``cfg.workload`` against ``cfg.target`` and write the run directory; returns metrics.json's dict.
-    ``client``: a LoadGen subclass to run instead (e.g. instrumented, as in ``experiments.benchmarks.loadgen``)."""
-    from core.metrics import summarize
+    ``client``: a LoadGen subclass to run instead (e.g. instrumented, as in ``experiments.benchmarks.loadgen``).
+
+    Requests are journaled as they are sent and as they end (``core.journal``, ``experiments.serving.recover``): a
+    killed load test is recovered by ``twinserve recover DIR``. Interrupted (Ctrl-C, an error), it writes what it
+    has as ``.partial`` files with ``run_status: interrupted`` (the requests in flight CANCELLED) and re-raises.
+    More than ``target.max_failed_share`` of the requests failed: ``run_status: failed`` (see ``failure``)."""
     from core.workload.base import OpenLoop
-    from experiments.build import build_workload, summary_options
-    from experiments.serving.bench_result import bench_serve_result, write_measured_run
+    from experiments.build import build_workload
 
     target = Target.from_mapping(cfg.target)
     model = ModelSpec.from_config(plain(cfg.model))
     output = section(OutputConfig, "output", cfg.get("output"))
-    options = summary_options(section(MetricsConfig, "metrics", cfg.get("metrics")), cfg.slo, model)
     workload = build_workload(cfg.workload)
     prompts = build_prompts(cfg, target, model.vocab_size)
     # open-loop requests are known up front: their count gives the progress bar a total and an ETA
     requests = list(workload.initial()) if isinstance(workload, OpenLoop) else None
     if requests is not None:
         workload = _Fixed(workload, requests)
-    gen = (client or LoadGen)(workload, target, prompts, progress=output.show_progress,
-                              total=_known_total(workload, requests))
-    res = gen.run()
-
-    metrics = summarize(res.states, **options)
-    lags = res.send_lags_s
-    metrics.update(
-        backend="loadgen", target_url=target.completions_url, target_model=res.model, prompt_mode=target.prompt_mode,
-        send_lag_s=stats(lags, options["percentile_method"], LAG_PERCENTILES),
-        num_unsent=len(res.records) - len(lags),
-        num_token_count_mismatch=res.num_token_count_mismatch,
-        num_client_errors=res.num_client_errors,
-        num_prompt_length_off=prompts.num_length_off + sum(
-            r.usage_prompt_tokens is not None and r.usage_prompt_tokens != s.request.prompt_len
-            for r, s in zip(res.records, res.states, strict=True)),
-    )
-    bench = bench_serve_result(res.states, metrics["duration_s"], options["slo"])
-    bench.update(backend="twinserve-loadgen", model_id=res.model, max_concurrency=target.max_concurrency)
     out = Path(out_dir)
-    write_measured_run(out, res.states, metrics, {
-        "bench_serve.json": json.dumps(bench, indent=2, allow_nan=False) + "\n",
-        "client.csv": _client_csv(res.records),
-        "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
-    }, timing={"wall_s": res.wall_s})
-    if output.plots:
+    journal = open_journal(out, LOADGEN, "loadgen", OmegaConf.to_yaml(cfg, resolve=True))
+    gen = (client or LoadGen)(workload, target, prompts, progress=output.show_progress,
+                              total=_known_total(workload, requests), journal=journal)
+    try:
+        res = gen.run()
+    except BaseException as e:
+        journal.close()
+        contents = read_journal(out)
+        for s in contents.in_flight:
+            s.reason = f"loadgen stopped ({type(e).__name__}) while it was in flight"
+        with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+            write_loadgen_run(cfg, out, contents.states, gen.records, contents.last_time_s, None,
+                              run_status=INTERRUPTED, note={"error": f"{type(e).__name__}: {e}".rstrip(": "),
+                                                            "num_unfinished": len(contents.in_flight)},
+                              num_length_off=prompts.num_length_off)
+            remove_journal(out)
+        raise
+    journal.close()
+    failed = failure(res.states, target.max_failed_share)
+    metrics = write_loadgen_run(cfg, out, res.states, res.records, res.wall_s, res,
+                                run_status=FAILED if failed else COMPLETE, note={"error": failed} if failed else None,
+                                num_length_off=prompts.num_length_off)
+    remove_journal(out)
+    if output.plots and not failed:
         from core.output import read_metrics, read_requests_csv, read_tokens_csv
         from experiments import plots
 
         run = plots.RunData(read_requests_csv(out / "requests.csv"), read_tokens_csv(out / "tokens.csv"), {},
                             read_metrics(out / "metrics.json"))
         plots.latency_cdfs({out.name: run}, out / "latency_cdfs.png", f"loadgen: {res.model}")
+    return metrics
+
+
+def failure(states: Sequence[RequestState], max_failed_share: float) -> str | None:
+    """Why a load test failed (more than ``max_failed_share`` of its measured requests did not complete: rejected
+    or timed out, e.g. against a dead port), with the commonest reason; None when it did not."""
+    measured = [s for s in states if not s.request.warmup]
+    bad = [s for s in measured if s.status in (Status.REJECTED, Status.TIMED_OUT)]
+    if not measured or len(bad) <= max_failed_share * len(measured):
+        return None
+    reasons = Counter(s.reason for s in bad).most_common(1)
+    return (f"{len(bad)} of {len(measured)} requests failed (> target.max_failed_share={max_failed_share}); "
+            f"the commonest reason ({reasons[0][1]}x): {reasons[0][0]}")
+
+
+def write_loadgen_run(cfg: DictConfig, out_dir: str | Path, states: Sequence[RequestState],
+                      records: Sequence[ClientRecord], wall_s: float, res: LoadgenResult | None, *,
+                      run_status: str = COMPLETE, note: Mapping[str, Any] | None = None,
+                      num_length_off: int = 0) -> dict[str, Any]:
+    """A load test's run directory from its states and client records (``res``: the finished run's counts; None
+    for a run cut short or recovered from its journal; ``num_length_off``: prompts the client could not give their
+exact length, ``Prompts.num_length_off``); returns metrics.json's dict."""
+    from core.metrics import summarize
+    from experiments.build import summary_options
+    from experiments.serving.bench_result import bench_serve_result
+
+    target = Target.from_mapping(cfg.target)
+    model = ModelSpec.from_config(plain(cfg.model))
+    options = summary_options(section(MetricsConfig, "metrics", cfg.get("metrics")), cfg.slo, model)
+    metrics = summarize(states, **options)
+    lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
+    prompt_tokens = {r.id: r.usage_prompt_tokens for r in records}
+    model_id = res.model if res is not None else (target.model or "")
+    metrics.update(
+        backend="loadgen", target_url=target.completions_url, target_model=model_id, prompt_mode=target.prompt_mode,
+        send_lag_s=stats(lags, options["percentile_method"], LAG_PERCENTILES),
+        num_unsent=len(records) - len(lags),
+        num_token_count_mismatch=res.num_token_count_mismatch if res is not None else None,
+        num_client_errors=res.num_client_errors if res is not None else None,
+        num_prompt_length_off=num_length_off + sum(
+            prompt_tokens.get(s.id) is not None and prompt_tokens[s.id] != s.request.prompt_len for s in states),
+        **(note or {}),
+    )
+    bench = bench_serve_result(states, metrics["duration_s"], options["slo"])
+    bench.update(backend="twinserve-loadgen", model_id=model_id, max_concurrency=target.max_concurrency)
+    write_run(out_dir, states, None, metrics, {
+        "bench_serve.json": json.dumps(bench, indent=2, allow_nan=False) + "\n",
+        "client.csv": _client_csv(records),
+        "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
+    }, timing={"wall_s": wall_s}, run_status=run_status)
     return metrics
 
 
@@ -168,9 +228,16 @@ def main(cfg: DictConfig) -> None:
 
     out_dir = HydraConfig.get().runtime.output_dir
     t = time.perf_counter()
-    metrics = run_loadgen(cfg, out_dir)
+    try:
+        metrics = run_loadgen(cfg, out_dir)
+    except KeyboardInterrupt:
+        log.error(f"interrupted: wrote what had ended to {out_dir} (.partial files, run_status: interrupted)")
+        raise SystemExit(EXIT_INTERRUPTED) from None
     log.info(summary_line(metrics))
     log.info(f"wrote {out_dir} ({time.perf_counter() - t:.1f} s)")
+    if metrics.get("error"):  # run_status failed: too many requests failed
+        print(f"error: {metrics['error']}; wrote {out_dir} (run_status: failed)", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_RUN_FAILED)
 
 
 

@@ -23,6 +23,7 @@ class Target:
     ignore_eos: bool = True
     max_concurrency: int | None = None
     api_key: str | None = None
+    max_failed_share: float = 0.5  # more of the requests than this failed (rejected, timed out): the run failed
     extra_body: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -36,6 +37,9 @@ class Target:
         c = self.max_concurrency
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"target.max_concurrency must be an int >= 1 or null, got {c!r}")
+        f = self.max_failed_share
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1:
+            raise ValueError(f"target.max_failed_share must be a number in [0, 1], got {f!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"target.ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not isinstance(self.extra_body, Mapping):

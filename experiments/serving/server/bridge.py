@@ -8,7 +8,6 @@ and receive tokens through one ``asyncio.Queue`` per request, filled from the lo
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
@@ -20,7 +19,6 @@ from typing import Any
 from core.batch import Batch
 from core.interfaces import StepOutput
 from core.loop import ServingLoop
-from core.metrics import ITLPool
 from core.realtime import RealTimeClock
 from core.records import StepRecord
 from core.request import Request, RequestState, Status
@@ -85,6 +83,8 @@ class LoopThread:
         loop.executors = [IsolatedExecutor(ex, self._step_failed) for ex in loop.executors]
         loop.on_step.append(self._on_step)
         loop.on_terminal.append(self._on_terminal)
+        loop.on_idle.append(self._on_idle)
+        self.hurry = threading.Event()  # set by a second signal: ``drain`` stops waiting and cancels what is left
         self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
         self.error: BaseException | None = None
 
@@ -188,29 +188,30 @@ class LoopThread:
             self.failed[ch.state.id] = reason
             self._end_early(ch.state.id, Status.CANCELLED, reason)  # on the loop thread, inside the step
 
+    def _on_idle(self, replica: int) -> None:
+        """A replica found nothing to run (every request aborted at once, say): the gauges say so now, not at the
+        next request."""
+        self._refresh()
+
     def _refresh(self) -> None:
         reps: Sequence = self.loop.replicas
         self.snapshot = Snapshot(sum(len(r.running) for r in reps), sum(len(r.waiting) for r in reps),
                                  sum(r.kv.num_used_blocks for r in reps), self.snapshot.kv_total_blocks)
 
     def drain(self, timeout_s: float) -> None:
-        """Wait (blocking, off the event loop) until no request is unfinished, then cancel what is left."""
+        """Wait (blocking, off the event loop) until no request is unfinished, for at most ``timeout_s`` or until
+        ``hurry`` is set (a second signal), then cancel what is left."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.clock.call(self.loop.unfinished).result(timeout=timeout_s):
-            time.sleep(0.02)
+        while (time.monotonic() < deadline and not self.hurry.is_set()
+               and self.clock.call(self.loop.unfinished).result(timeout=timeout_s)):
+            self.hurry.wait(0.02)
         left = self.clock.call(self.loop.unfinished).result(timeout=10)
+        reason = "server shutting down" + (" (second signal)" if self.hurry.is_set() else "")
         for rid in left:
-            self.abort(rid, "server shutting down").result(timeout=10)
+            self.abort(rid, reason).result(timeout=10)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self.clock.call(self.loop.unfinished).result(timeout=10):
             time.sleep(0.01)
-
-    def records(self) -> tuple[list[RequestState], list[StepRecord], ITLPool | None]:
-        """Copies of the terminal request states, the steps so far and the ITL pool (``output.tokens=none``) taken
-        on the loop thread."""
-        loop = self.loop
-        return self.clock.call(lambda: ([s for s in loop.states if s.status.terminal], list(loop.steps),
-                                        copy.deepcopy(loop.itl_pool))).result(timeout=30)
 
 
 class IsolatedExecutor:

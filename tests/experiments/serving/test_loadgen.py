@@ -182,7 +182,7 @@ def test_errors_and_timeouts_are_counted_with_reasons(tmp_path):
 
     with FakeOpenAIServer(ttft_s=0.01, itl_s=0.002, plan=plan) as srv:
         metrics = run_loadgen(cfg_with(f"target.url={srv.url}", "target.timeout_s=0.4", *small_poisson(10, 40.0),
-                                       "workload.output_len=6"), tmp_path)
+                                       "workload.output_len=6", "target.max_failed_share=1"), tmp_path)
     req = read_requests_csv(tmp_path / "requests.csv")
     assert len(req["id"]) == 10 and metrics["num_requests"] == 10
     for rid, status, reason, n_out, ttft in zip(req["id"], req["status"], req["reason"], req["output_tokens"],
@@ -205,17 +205,69 @@ def test_errors_and_timeouts_are_counted_with_reasons(tmp_path):
     assert metrics["goodput_rps"] == pytest.approx(2 / metrics["duration_s"])  # failures stay in the denominator
 
 
-def test_unreachable_server_rejects_every_request(tmp_path):
+def test_unreachable_server_rejects_every_request_and_the_run_fails(tmp_path):
+    """Against a dead port every request is rejected: run_status failed (data files .partial), the reason in
+    ``error``; the command line says so in one line and exits 1."""
     import socket
+    import subprocess
+
+    from experiments.serving.server.process import ROOT
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     metrics = run_loadgen(cfg_with(f"target.url=http://127.0.0.1:{port}", "target.model=m",
                                    *small_poisson(3, 100.0)), tmp_path)
-    req = read_requests_csv(tmp_path / "requests.csv")
+    req = read_requests_csv(tmp_path / "requests.csv.partial")
     assert metrics["num_rejected"] == 3 and set(req["status"].tolist()) == {"REJECTED"}
     assert all("connect" in r.lower() for r in req["reason"])
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["run_status"] == "failed" and written["error"].startswith("3 of 3 requests failed")
+    for model in ("target.model=m", "target.model=null"):  # null: the model lookup fails first (a user error)
+        done = subprocess.run([sys.executable, "-m", "experiments.serving.loadgen.run", f"hydra.run.dir={tmp_path}/c",
+                               f"target.url=http://127.0.0.1:{port}", model, *FAST, *small_poisson(3, 100.0)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+        assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
+        assert done.returncode == (1 if model.endswith("=m") else 2) and "127.0.0.1" in errors[0]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_an_interrupted_or_killed_load_test_leaves_every_request(tmp_path, sig):
+    """SIGINT while requests stream: exit 130, .partial files with run_status interrupted, the requests that had
+    ended and the ones in flight (CANCELLED), so every request sent is accounted for. SIGKILL: its journal, which
+    `twinserve recover` turns into the same."""
+    import signal
+    import subprocess
+    import time
+
+    from experiments.serving.server.process import ROOT
+
+    def plan(rid, body):  # the first requests end at once, the others stream for a long time
+        return None if int(rid[1:]) < 3 else {"ttft_s": 0.01, "itl_s": 2.0}
+
+    with FakeOpenAIServer(ttft_s=0.01, itl_s=0.001, plan=plan) as srv:
+        proc = subprocess.Popen([sys.executable, "-m", "experiments.serving.loadgen.run", f"hydra.run.dir={tmp_path}",
+                                 f"target.url={srv.url}", *FAST, *small_poisson(8, 50.0), "workload.output_len=4"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while len(srv.log) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    if sig == "SIGKILL":
+        assert json.loads((tmp_path / "metrics.json").read_text())["run_status"] == "running"
+        from experiments.serving.recover import recover
+
+        recover(tmp_path)
+    else:
+        assert proc.returncode == 130 and "Traceback" not in err, err
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["run_status"] == "interrupted" and metrics["num_unfinished"] == 5
+    req = read_requests_csv(tmp_path / "requests.csv.partial")
+    assert sorted(req["status"].tolist()) == ["CANCELLED"] * 5 + ["FINISHED"] * 3
+    assert not (tmp_path / "journal").exists() and (tmp_path / "client.csv").is_file()
 
 
 def test_closed_loop_keeps_its_clients_busy(tmp_path):
