@@ -90,7 +90,9 @@ class Workers:
         self.size, self.backend = args.tp, _backend(args.device)
         self.store = dist.TCPStore("127.0.0.1", 0, args.tp, True, timedelta(seconds=STARTUP_TIMEOUT_S),
                                    wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        # CPU: fork (the ranks start at once, with torch imported; nothing in torch.distributed runs yet); CUDA
+        # cannot be forked into
+        ctx = mp.get_context("spawn" if self.backend == "nccl" else "fork")
         self.procs = [ctx.Process(target=_follow, args=(args, r, self.store.port, os.getpid()), daemon=True,
                                   name=f"twinserve-tp-rank{r}") for r in range(1, args.tp)]
         for p in self.procs:

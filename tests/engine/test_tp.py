@@ -1,0 +1,174 @@
+"""Tensor and expert parallelism on CPU (gloo ranks as processes): the same greedy tokens as one device and as
+transformers, under chunked prefill; the shards' arithmetic without processes; a dead rank ends the step with an
+error naming it, and no rank process outlives its run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from core.batch import Batch, Chunk
+from core.specs import ModelSpec
+from engine.executor import build_engine_executor
+from engine.loader import load_model
+from engine.tp import check_shardable, shard_model
+from kernels.ops import get_kernels
+from tests.engine.checkpoints import TINY, tiny_checkpoint
+from tests.engine.test_runner import Blocks, _state, hf_greedy, prompts, run_to_completion
+
+LENGTHS = [5, 13, 22]
+CHUNK = 6  # chunked prefill: prompts over several steps, mixed with other requests' decodes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited (its parent has not reaped it yet)
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _generate(path, tp: int, ep: int = 1) -> list[list[int]]:
+    blocks = Blocks()
+    ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels="torch", tp=tp, ep=ep,
+                               num_threads=1)
+    try:
+        states = [_state(f"r{i}", p) for i, p in enumerate(prompts(0, LENGTHS))]
+        run_to_completion(ex.runner, blocks, states, CHUNK)
+    finally:
+        ex.close()
+    pids = [p.pid for p in (ex.runner.workers.procs if ex.runner.workers else [])]
+    assert not [pid for pid in pids if _alive(pid)]
+    return [s.output_token_ids for s in states]
+
+
+# (layout, overrides, tp, ep): a dense model; tp 4 > 2 KV heads (replicated) over a vocabulary 4 does not divide
+# (the last rank's slice padded); Qwen3-MoE (q/k norms, a dense layer) by width and by experts; Mixtral by experts
+CASES = [("llama", {}, 2, 1), ("llama_tied", {"vocab_size": 161}, 4, 1), ("qwen3_moe", {}, 2, 1),
+         ("qwen3_moe", {}, 2, 2), ("mixtral", {}, 2, 2)]
+
+
+@pytest.mark.parametrize(("layout", "overrides", "tp", "ep"), CASES)
+def test_tp_tokens_equal_one_device_and_transformers(tmp_path, layout, overrides, tp, ep):
+    hf, path = tiny_checkpoint(tmp_path, layout, **overrides)
+    one = _generate(path, 1)
+    assert one == [hf_greedy(hf, p) for p in prompts(0, LENGTHS)]
+    assert _generate(path, tp, ep) == one
+
+
+@pytest.mark.parametrize(("layout", "tp", "ep"), [("qwen2", 2, 1), ("qwen3_moe_top1", 4, 2), ("mixtral", 4, 4)])
+def test_shards_sum_to_the_whole_layer(tmp_path, layout, tp, ep):
+    """Without processes: each rank's o_proj / MLP / experts partial outputs (what the all-reduce sums) add up to the
+    whole layer's, on the CPU expert loop and on the grouped-GEMM path the GPU takes."""
+    _, path = tiny_checkpoint(tmp_path, layout)
+    whole = load_model(path)
+    ks = get_kernels("torch")
+    x = torch.randn(37, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
+    ranks = [shard_model(load_model(path), r, tp, ep) for r in range(tp)]
+    for i, layer in enumerate(whole.model.layers):
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            weights, ids = torch.rand(37, mlp.top_k), torch.randint(0, mlp.experts.num_experts, (37, mlp.top_k))
+            ref = mlp.experts(x, weights, ids, ks)
+            for path_ in ("forward", "_grouped"):
+                parts = []
+                for r in ranks:
+                    ex = r.model.layers[i].mlp.experts
+                    local = (ids - ex.first).masked_fill((ids < ex.first) | (ids >= ex.first + ex.gate_up_proj.shape[0]),
+                                                         ex.gate_up_proj.shape[0])
+                    parts.append(ex(x, weights, ids, ks) if path_ == "forward" else ex._grouped(x, weights, local, ks))
+                torch.testing.assert_close(sum(parts), ref, atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(sum(r.model.layers[i].mlp(x, ks) for r in ranks), mlp(x, ks), atol=1e-5,
+                                       rtol=1e-5)
+        o = torch.randn(37, whole.spec.num_heads * whole.spec.head_dim, generator=torch.Generator().manual_seed(i))
+        h = whole.spec.num_heads // tp * whole.spec.head_dim
+        torch.testing.assert_close(sum(r.model.layers[i].self_attn.o_proj(o[:, k * h:(k + 1) * h], ks)
+                                       for k, r in enumerate(ranks)), layer.self_attn.o_proj(o, ks), atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_unshardable_widths_are_named(tmp_path):
+    _, path = tiny_checkpoint(tmp_path, "mixtral")
+    model = load_model(path)
+    with pytest.raises(ValueError, match=r"parallel.tp=3 must divide model.num_heads=4"):
+        check_shardable(model, 3, 1)
+    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide"):
+        check_shardable(model, 2, 3)
+
+
+def test_a_killed_rank_ends_the_step_with_an_error_within_seconds(tmp_path):
+    _, path = tiny_checkpoint(tmp_path, "llama")
+    blocks = Blocks()
+    ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels="torch", tp=2,
+                               num_threads=1)
+    workers = ex.runner.workers
+    state = _state("a", prompts(0, [7])[0])
+    blocks.ensure("a", 7)
+    os.kill(workers.procs[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 of 2 \(pid \d+\) exited with code -9"):
+        while time.monotonic() - t0 < 5:  # until the kill lands (its exit is seen before the next step's send)
+            ex.execute(Batch([Chunk.next(state, 7)]))
+    assert time.monotonic() - t0 < 5
+    assert not workers.procs[0].is_alive()
+
+
+def test_a_rank_dying_inside_a_collective_is_named(tmp_path):
+    """The rank dies while rank 0 is past its check: the failed collective is reported as that rank's death."""
+    _, path = tiny_checkpoint(tmp_path, "llama")
+    blocks = Blocks()
+    ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels="torch", tp=2,
+                               num_threads=1)
+    workers, check = ex.runner.workers, ex.runner.workers.check
+    workers.check = lambda wait_s=0.0: check(wait_s) if wait_s else None  # skip the check before the send
+    os.kill(workers.procs[0].pid, signal.SIGKILL)
+    workers.procs[0].join(5)
+    state = _state("a", prompts(0, [7])[0])
+    blocks.ensure("a", 7)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 of 2 .* exited with code -9"):
+        ex.execute(Batch([Chunk.next(state, 7)]))
+    assert time.monotonic() - t0 < 5
+
+
+DRIVER = """
+import sys, time
+from core.specs import ModelSpec
+from engine.executor import build_engine_executor
+from tests.engine.test_runner import Blocks
+ex = build_engine_executor(ModelSpec.from_pretrained(sys.argv[1]), kv_manager=Blocks(), kernels="torch", tp=2,
+                           num_threads=1)
+print(ex.runner.workers.procs[0].pid, flush=True)
+if sys.argv[2] == "exit":
+    sys.exit(0)  # never closed: the interpreter's exit ends the rank
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch: 20-60 s on a shared 2-core machine
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_no_rank_outlives_its_driver(tmp_path, how):
+    """Rank 0's process exits without closing, or is killed: the other rank is gone within seconds."""
+    _, path = tiny_checkpoint(tmp_path, "llama")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(path), how], stdout=subprocess.PIPE, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})
+    try:
+        pid = int(driver.stdout.readline())
+        if how == "kill":
+            driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        t0 = time.monotonic()
+        while _alive(pid) and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        driver.kill()
