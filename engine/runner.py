@@ -248,7 +248,8 @@ class ModelRunner:
         per_seq = -(-ctx // self.block_size)
         tables = (torch.arange(seqs * per_seq, dtype=i32, device=dev) % cache.k.shape[0]).view(seqs, per_seq)
         lens = torch.full((seqs,), ctx, dtype=i32, device=dev)
-        q = torch.zeros(chunk + seqs, self.model.model.layers[0].self_attn.num_heads, self.spec.head_dim, dtype=self.model.dtype, device=dev)
+        heads = self.model.model.layers[0].self_attn.num_heads  # this rank's (tensor parallelism)
+        q = torch.zeros(chunk + seqs, heads, self.spec.head_dim, dtype=self.model.dtype, device=dev)
         for max_q in (1, chunk):
             qsl = torch.arange(seqs + 1, dtype=i32, device=dev) + (max_q - 1) * (torch.arange(seqs + 1) > 0).to(dev)
             for splits in (1, 2):

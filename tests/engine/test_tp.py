@@ -81,8 +81,8 @@ def test_shards_sum_to_the_whole_layer(tmp_path, layout, tp, ep):
                 parts = []
                 for r in ranks:
                     ex = r.model.layers[i].mlp.experts
-                    local = (ids - ex.first).masked_fill((ids < ex.first) | (ids >= ex.first + ex.gate_up_proj.shape[0]),
-                                                         ex.gate_up_proj.shape[0])
+                    n = ex.gate_up_proj.shape[0]
+                    local = (ids - ex.first).masked_fill((ids < ex.first) | (ids >= ex.first + n), n)
                     parts.append(ex(x, weights, ids, ks) if path_ == "forward" else ex._grouped(x, weights, local, ks))
                 torch.testing.assert_close(sum(parts), ref, atol=1e-5, rtol=1e-5)
         else:
