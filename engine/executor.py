@@ -145,22 +145,20 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, quant: Quant
     (kv_bits 8), checked against the model by ``EngineOptions.check_quant``. ``tp`` / ``ep`` (``parallel``): one
     replica over tp ranks (build_engine_executor)."""
     options.check_quant(quant, spec)
-    if tp > 1 and len(kv_managers) > 1:
-        raise ValueError(f"replicas={len(kv_managers)} with parallel.tp={tp}: the engine runs one tensor-parallel "
-                         "replica per run (replicas=1)")
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     kernels, sampling = resolve_kernels(options.kernels, options.device), options.sampling
-    model, executors = None, []
-    for kv in kv_managers:
+    model, executors, workers = None, [], None
+    for i, kv in enumerate(kv_managers):
         ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=options.device,
                                    dtype=options.torch_dtype, quant="w4a16" if quant.weight_bits == 4 else None,
                                    group_size=quant.group_size, kv_dtype="int8" if quant.kv_bits == 8 else "auto",
                                    seed=seed, sampling=sampling, model=model, clock=clock,
                                    host_blocks=kv.host.num_blocks if kv.host is not None else 0,
                                    cpu_gemm=options.cpu_gemm, greedy_screen=options.greedy_screen, tp=tp, ep=ep,
-                                   num_threads=options.num_threads)
-        model = ex.runner.model if tp == 1 else None
+                                   num_threads=options.num_threads, workers=workers, replica=i,
+                                   replica_blocks=[k.num_blocks for k in kv_managers])
+        model, workers = ex.runner.model, ex.runner.workers
         ex.warmup(options.warmup_steps, options.cuda_graphs)
         executors.append(ex)
     return executors
@@ -172,23 +170,27 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
                           sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
                           clock: str = "wall", host_blocks: int = 0, cpu_gemm: str = "auto",
                           greedy_screen: bool = True, tp: int = 1, ep: int = 1,
-                          num_threads: int | None = None) -> EngineExecutor:
+                          num_threads: int | None = None, workers: Workers | None = None, replica: int = 0,
+                          replica_blocks: list[int] | None = None) -> EngineExecutor:
     """One replica's executor, with KV tensors for the manager's pool (and a host pool of ``host_blocks`` blocks
     for the manager's host tier, if it has one). Pass ``model`` to share one set of weights
     between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
     ``spec.path`` or random-initialised from ``seed``. ``cpu_gemm``: kernels.cpu_gemm.CPU_GEMMS; ``greedy_screen``:
     LlamaForCausalLM.use_greedy_screen. ``tp`` > 1: this process is rank 0 of ``tp`` tensor-parallel ranks
-    (``ep``: the experts' parallel degree), the others are started here (engine.workers); ``close`` ends them."""
+    (``ep``: the experts' parallel degree), the others started here (engine.workers; ``close`` ends them) with
+    a runner for each of ``replica_blocks`` (the KV pools of the replicas), or given as ``workers`` with this
+    executor's ``replica`` and the shared (sharded) ``model``."""
     args = RunnerArgs(spec, kv_manager.num_blocks, kv_manager.block_size, kernels, device, dtype, quant, group_size,
                       kv_dtype, seed, sampling, cpu_gemm, greedy_screen, num_threads, tp, ep)
-    if tp > 1 and (model is not None or host_blocks):
-        raise ValueError("parallel.tp > 1 runs one replica with its own shards and no host KV tier (kv.host)")
-    workers = Workers(args) if tp > 1 else None
+    if tp > 1 and host_blocks:
+        raise ValueError(f"parallel.tp={tp} with a host KV tier (kv.host): the ranks' host copies are not built")
+    if tp > 1 and workers is None:
+        workers = Workers(args, replica_blocks)
     try:
         runner = build_runner(args, 0, model)
         if workers is not None:
             workers.join()
-            runner.workers = workers
+            runner.workers, runner.replica = workers, replica
     except BaseException:
         if workers is not None:
             workers.close()

@@ -97,7 +97,8 @@ class ModelRunner:
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode-only steps (capture_graphs)
-        self.workers = None  # tensor parallelism: rank 0's engine.tp.Workers, which get every step's inputs
+        self.workers = None  # tensor parallelism: rank 0's engine.workers.Workers, which get every step's inputs
+        self.replica = 0  # which of the workers' replicas this runner is
 
     @property
     def can_capture_graphs(self) -> bool:
@@ -211,8 +212,12 @@ class ModelRunner:
 
     def prepare(self, batch: Batch, block_table: Callable[[str], list[int]],
                 drafts: Mapping[str, list[int]] | None = None) -> StepInputs:
-        """Flatten ``batch`` (``host_inputs``) and put it on the device (``device_inputs``)."""
-        return self.device_inputs(*self.host_inputs(batch, block_table, drafts))
+        """Flatten ``batch`` (``host_inputs``), send that to the other tensor-parallel ranks if there are any, and
+        put it on the device (``device_inputs``)."""
+        host, sample_states, sample_drafts = self.host_inputs(batch, block_table, drafts)
+        if self.workers is not None:
+            self.workers.broadcast(self.replica, host)
+        return self.device_inputs(host, sample_states, sample_drafts)
 
     def device_inputs(self, host: HostInputs, sample_states: list[RequestState] | None = None,
                       drafts: list[list[int]] | None = None) -> StepInputs:
@@ -289,10 +294,7 @@ class ModelRunner:
         samples."""
         if batch.empty:
             return None, None
-        host, sample_states, sample_drafts = self.host_inputs(batch, block_table, drafts)
-        if self.workers is not None:
-            self.workers.broadcast(host)
-        inputs = self.device_inputs(host, sample_states, sample_drafts)
+        inputs = self.prepare(batch, block_table, drafts)
         f, graphs = batch.features, self.graphs
         if graphs is not None and f.num_decode_seqs == f.num_batched_tokens == f.num_seqs \
                 and graphs.fits(f.num_seqs, inputs.meta.block_tables.shape[1]):

@@ -11,11 +11,13 @@ garbage collection and interpreter exit) tells the ranks to stop, then terminate
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import threading
 import time
 import weakref
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -41,16 +43,19 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _follow(args: RunnerArgs, rank: int, port: int, parent: int) -> None:
-    """A rank process: build the shard, join the group, run every broadcast step until rank 0 sends None."""
+def _follow(args: RunnerArgs, blocks: list[int], rank: int, port: int, parent: int) -> None:
+    """A rank process: build the shard and a runner per replica (KV pools of ``blocks`` blocks), join the group,
+    run every broadcast step on its replica's runner until rank 0 sends None."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = args.rank_device(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    runner = build_runner(args, rank)
-    runner.warmup_kernels()
+    runners = [build_runner(args, rank)]
+    for n in blocks[1:]:
+        runners.append(build_runner(replace(args, num_blocks=n), rank, runners[0].model))
+    runners[0].warmup_kernels()
     store = dist.TCPStore("127.0.0.1", port, args.tp, False, timedelta(seconds=STARTUP_TIMEOUT_S))
     store.add("ready", 1)
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=args.tp, timeout=IDLE_TIMEOUT)
@@ -60,15 +65,36 @@ def _follow(args: RunnerArgs, rank: int, port: int, parent: int) -> None:
             dist.broadcast_object_list(msg, src=0)
             if msg[0] is None:
                 break
-            runner.follow(msg[0])
+            replica, inputs = msg[0]
+            runners[replica].follow(inputs)
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
+def _dead(procs: list, size: int) -> str | None:
+    """The first rank that exited, as a message; None while all run."""
+    for rank, p in enumerate(procs, 1):
+        if p.exitcode is not None:
+            return f"tensor-parallel rank {rank} of {size} (pid {p.pid}) exited with code {p.exitcode}"
+    return None
+
+
+def _watch(procs: list, closed: threading.Event, backend: str) -> None:
+    """Rank 0's watchdog: a dead rank aborts an NCCL group, so a collective waiting for it fails at once (gloo fails
+    on the closed socket by itself). Holds no reference to the Workers, which its owner may drop."""
+    while not closed.wait(POLL_S):
+        if _dead(procs, len(procs) + 1) is not None:
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if backend == "nccl" and abort is not None:
+                with contextlib.suppress(Exception):
+                    abort()
+            return
+
+
 def _stop(procs: list, wait: bool) -> None:
     """End the rank processes: give each STOP_TIMEOUT_S to exit when ``wait`` (told to stop), then terminate, then
-    kill (the finaliser of a Workers never closed: at once)."""
+    kill (the finaliser of a Workers never closed: at once); then leave the process group."""
     for p in procs:
         p.join(timeout=STOP_TIMEOUT_S if wait else 0)
         if p.is_alive():
@@ -77,13 +103,19 @@ def _stop(procs: list, wait: bool) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 class Workers:
     """Rank 0's side: start ranks 1 .. tp-1 (``__init__``: they build their shards while rank 0 builds its own),
     ``join`` the group, ``broadcast`` each step's inputs, ``close``."""
 
-    def __init__(self, args: RunnerArgs) -> None:
+    def __init__(self, args: RunnerArgs, blocks: list[int] | None = None) -> None:
+        """``blocks``: the KV pool of each replica the ranks serve (default one, ``args.num_blocks``)."""
+        if dist.is_initialized():
+            gc.collect()  # an earlier engine's Workers, dropped but in a reference cycle, leaves the group
         if dist.is_initialized():
             raise RuntimeError("parallel.tp > 1: one tensor-parallel engine per process (a process group is "
                                "already set up here)")
@@ -93,16 +125,19 @@ class Workers:
         # CPU: fork (the ranks start at once, with torch imported; nothing in torch.distributed runs yet); CUDA
         # cannot be forked into
         ctx = mp.get_context("spawn" if self.backend == "nccl" else "fork")
-        self.procs = [ctx.Process(target=_follow, args=(args, r, self.store.port, os.getpid()), daemon=True,
+        blocks = blocks or [args.num_blocks]
+        self.procs = [ctx.Process(target=_follow, args=(args, blocks, r, self.store.port, os.getpid()), daemon=True,
                                   name=f"twinserve-tp-rank{r}") for r in range(1, args.tp)]
         for p in self.procs:
             p.start()
         self._finalizer = weakref.finalize(self, _stop, self.procs, False)
-        self.failure: str | None = None
+        self.joined = False
         self._closed = threading.Event()
 
     def join(self) -> None:
-        """Wait (at most STARTUP_TIMEOUT_S) until every rank has built its shard, then form the group."""
+        """Wait (at most STARTUP_TIMEOUT_S) until every rank has built its shard, then form the group (once)."""
+        if self.joined:
+            return
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while self.store.add("ready", 0) < self.size - 1:
             self.check()
@@ -110,14 +145,11 @@ class Workers:
                 raise TimeoutError(f"tensor-parallel ranks not ready after {STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S / 5)
         dist.init_process_group(self.backend, store=self.store, rank=0, world_size=self.size, timeout=IDLE_TIMEOUT)
-        threading.Thread(target=self._watch, daemon=True).start()
+        self.joined = True
+        threading.Thread(target=_watch, args=(self.procs, self._closed, self.backend), daemon=True).start()
 
     def dead(self) -> str | None:
-        """The first rank that exited, as a message; None while all run."""
-        for rank, p in enumerate(self.procs, 1):
-            if p.exitcode is not None:
-                return f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) exited with code {p.exitcode}"
-        return None
+        return _dead(self.procs, self.size)
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise if a rank exited (waiting up to ``wait_s`` for one that is dying: a failed collective)."""
@@ -128,20 +160,11 @@ class Workers:
             self.close()
             raise RuntimeError(f"{msg}; the run stops (its rank 0 cannot step without it)")
 
-    def _watch(self) -> None:
-        """Rank 0's watchdog: a dead rank aborts an NCCL group, so a collective waiting for it fails at once."""
-        while not self._closed.wait(POLL_S):
-            if self.dead() is not None:
-                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                if self.backend == "nccl" and abort is not None:
-                    with contextlib.suppress(Exception):
-                        abort()
-                return
-
-    def broadcast(self, inputs) -> None:
-        """Send one step's engine.runner.HostInputs to every rank (after checking they all still run)."""
+    def broadcast(self, replica: int, inputs) -> None:
+        """Send one step of replica ``replica`` (its engine.runner.HostInputs) to every rank (after checking they
+        all still run)."""
         self.check()
-        dist.broadcast_object_list([inputs], src=0)
+        dist.broadcast_object_list([(replica, inputs)], src=0)
 
     def close(self) -> None:
         """Tell the ranks to stop, wait for them (terminating stragglers), leave the group. Idempotent."""
@@ -154,6 +177,3 @@ class Workers:
                 dist.broadcast_object_list([None], src=0)
         self._finalizer.detach()
         _stop(self.procs, healthy)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()

@@ -265,7 +265,7 @@ def _engine_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]
 
     options, spec = run.engine, run.speculation
     executors = build_engine_executors(run.model, options, run.quant, [r.kv for r in replicas], seed=run.seed,
-                                       clock=run.engine_clock)
+                                       clock=run.engine_clock, tp=run.parallel.tp, ep=run.parallel.ep)
     if spec.method == "ngram":
         from engine.speculative import NgramProposer
 

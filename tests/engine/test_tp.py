@@ -172,3 +172,28 @@ def test_no_rank_outlives_its_driver(tmp_path, how):
         assert not _alive(pid)
     finally:
         driver.kill()
+
+
+def _engine_run(tmp_path, *overrides):
+    from experiments.run import run
+    from tests.experiments.test_run import cfg_with
+
+    run(cfg_with("backend=engine", "model=tiny", "backend.num_threads=1", "workload.num_requests=6",
+                 "workload.prompt_len.mean=24", "workload.output_len.mean=6", "output.plots=false", *overrides),
+        tmp_path)
+    return (tmp_path / "outputs.jsonl").read_text(), (tmp_path / "steps.csv").read_text().splitlines()
+
+
+def test_a_tp_run_writes_its_rank_count_and_the_one_device_tokens(tmp_path):
+    """Through the experiment path, two replicas on one pair of ranks: the tokens of the one-device run, steps.csv
+    and metrics.json carrying tp and ep, the step times on the wall clock (a rank's thread time leaves out its
+    waits)."""
+    from core.output import read_metrics
+
+    one, steps_one = _engine_run(tmp_path / "tp1", "replicas=2")
+    two, steps_two = _engine_run(tmp_path / "tp2", "replicas=2", "parallel.tp=2")
+    assert two == one
+    assert "tp" not in steps_one[0].split(",") and steps_two[0].split(",")[-2:] == ["tp", "ep"]
+    assert all(row.endswith(",2,1") for row in steps_two[1:])
+    metrics = read_metrics(tmp_path / "tp2" / "metrics.json")
+    assert metrics["parallel"] == {"tp": 2, "pp": 1, "dp": 1, "ep": 1} and metrics["engine_clock"] == "wall"
