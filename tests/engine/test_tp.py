@@ -66,7 +66,8 @@ def test_tp_tokens_equal_one_device_and_transformers(tmp_path, layout, overrides
 @pytest.mark.parametrize(("layout", "tp", "ep"), [("qwen2", 2, 1), ("qwen3_moe_top1", 4, 2), ("mixtral", 4, 4)])
 def test_shards_sum_to_the_whole_layer(tmp_path, layout, tp, ep):
     """Without processes: each rank's o_proj / MLP / experts partial outputs (what the all-reduce sums) add up to the
-    whole layer's, on the CPU expert loop and on the grouped-GEMM path the GPU takes."""
+    whole layer's, on the CPU expert loop and on the grouped-GEMM path a GPU takes (torch reference, and the Triton
+    kernel in the interpreter)."""
     _, path = tiny_checkpoint(tmp_path, layout)
     whole = load_model(path)
     ks = get_kernels("torch")
@@ -77,13 +78,14 @@ def test_shards_sum_to_the_whole_layer(tmp_path, layout, tp, ep):
         if hasattr(mlp, "experts"):
             weights, ids = torch.rand(37, mlp.top_k), torch.randint(0, mlp.experts.num_experts, (37, mlp.top_k))
             ref = mlp.experts(x, weights, ids, ks)
-            for path_ in ("forward", "_grouped"):
+            for grouped in (None, ks, get_kernels("triton")):  # the CPU loop, the grouped GEMM (torch, Triton)
                 parts = []
                 for r in ranks:
                     ex = r.model.layers[i].mlp.experts
                     n = ex.gate_up_proj.shape[0]
                     local = (ids - ex.first).masked_fill((ids < ex.first) | (ids >= ex.first + n), n)
-                    parts.append(ex(x, weights, ids, ks) if path_ == "forward" else ex._grouped(x, weights, local, ks))
+                    parts.append(ex(x, weights, ids, ks) if grouped is None
+                                 else ex._grouped(x, weights, local, grouped))
                 torch.testing.assert_close(sum(parts), ref, atol=1e-5, rtol=1e-5)
         else:
             torch.testing.assert_close(sum(r.model.layers[i].mlp(x, ks) for r in ranks), mlp(x, ks), atol=1e-5,
