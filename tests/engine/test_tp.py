@@ -19,7 +19,7 @@ from engine.executor import build_engine_executor
 from engine.loader import load_model
 from engine.tp import check_shardable, shard_model
 from kernels.ops import get_kernels
-from tests.engine.checkpoints import TINY, tiny_checkpoint
+from tests.engine.checkpoints import MOE_LAYOUTS, TINY, tiny_checkpoint
 from tests.engine.test_runner import Blocks, _state, hf_greedy, prompts, run_to_completion
 
 LENGTHS = [5, 13, 22]
@@ -35,10 +35,10 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def _generate(path, tp: int, ep: int = 1) -> list[list[int]]:
+def _generate(path, tp: int, ep: int = 1, device: str = "cpu", kernels: str = "torch") -> list[list[int]]:
     blocks = Blocks()
-    ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels="torch", tp=tp, ep=ep,
-                               num_threads=1)
+    ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels=kernels, tp=tp, ep=ep,
+                               num_threads=1, device=device, dtype=torch.float32)
     try:
         states = [_state(f"r{i}", p) for i, p in enumerate(prompts(0, LENGTHS))]
         run_to_completion(ex.runner, blocks, states, CHUNK)
@@ -199,3 +199,26 @@ def test_a_tp_run_writes_its_rank_count_and_the_one_device_tokens(tmp_path):
     assert all(row.endswith(",2,1") for row in steps_two[1:])
     metrics = read_metrics(tmp_path / "tp2" / "metrics.json")
     assert metrics["parallel"] == {"tp": 2, "pp": 1, "dp": 1, "ep": 1} and metrics["engine_clock"] == "wall"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_layers_on_the_triton_grouped_gemm_give_the_cpu_tokens(tmp_path, layout, monkeypatch):
+    """CUDA + triton: every MoE layer's experts run as the two grouped GEMMs (counted), fp32, transformers' tokens."""
+    from engine.moe import Experts
+
+    hf, path = tiny_checkpoint(tmp_path, layout)
+    calls = []
+    grouped = Experts._grouped
+    monkeypatch.setattr(Experts, "_grouped", lambda self, *a: calls.append(1) or grouped(self, *a))
+    assert _generate(path, 1, device="cuda", kernels="triton") == [hf_greedy(hf, p) for p in prompts(0, LENGTHS)]
+    assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize(("layout", "ep"), [("llama", 1), ("qwen3_moe", 2)])
+def test_tp2_over_nccl_gives_the_one_gpu_tokens(tmp_path, layout, ep):
+    _, path = tiny_checkpoint(tmp_path, layout)
+    one = _generate(path, 1, device="cuda", kernels="triton")
+    assert _generate(path, 2, ep, device="cuda", kernels="triton") == one
