@@ -401,6 +401,10 @@ def build_runner(args: RunnerArgs, rank: int = 0, model: LlamaForCausalLM | None
         if sharded:
             shard_model(model, rank, args.tp, args.ep)
             if args.quant == "w4a16":
+                widths = (spec.num_heads * spec.head_dim // args.tp, spec.intermediate_size // args.tp)
+                if any(w % args.group_size for w in widths):
+                    raise ValueError(f"quant.group_size={args.group_size} must divide each rank's linear input "
+                                     f"widths {widths} (attention, FFN) at parallel.tp={args.tp}")
                 model.quantize(args.group_size)
     model.use_cpu_gemm(args.cpu_gemm)
     model.use_greedy_screen(args.greedy_screen)

@@ -222,3 +222,21 @@ def test_tp2_over_nccl_gives_the_one_gpu_tokens(tmp_path, layout, ep):
     _, path = tiny_checkpoint(tmp_path, layout)
     one = _generate(path, 1, device="cuda", kernels="triton")
     assert _generate(path, 2, ep, device="cuda", kernels="triton") == one
+
+
+@pytest.mark.slow  # a profile, a paired training run, replay and sim on the tiny engine at tp 2: minutes here
+def test_compare_runs_unchanged_on_a_tp_run(tmp_path):
+    """experiments.compare at parallel.tp=2: the profile and the training run on the ranks (the paired runs share
+    them as two replicas), the replay of the TP run's steps identical (logic error zero), a fitted calibration."""
+    from experiments.calibration.compare import compare
+    from tests.experiments.calibration.test_compare import cfg_with
+
+    cfg = cfg_with("parallel.tp=2", "backend.num_threads=1", "workload.num_requests=6", "workload.output_len.mean=6",
+                   "compare.rates=[]", 'compare.train=["workload.num_requests=40","workload.seed=1"]',
+                   "calibrate.repeats=1", "calibrate.warmup=1", "calibrate.fits=[linear]",
+                   "calibrate.grid.prefill_lens=[16,128]", "calibrate.grid.prefill_cached=[0]",
+                   "calibrate.grid.decode_batch_sizes=[1,4]", "calibrate.grid.decode_contexts=[64,256]",
+                   "calibrate.grid.mixed_chunks=[32]", "calibrate.grid.mixed_decodes=[2]")
+    summary = compare(cfg, tmp_path)
+    assert summary["logic"]["identical"] and summary["calibration"]["fitted_here"]
+    assert (tmp_path / "engine" / "steps.csv").read_text().splitlines()[0].endswith(",tp,ep")
