@@ -35,10 +35,11 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def _generate(path, tp: int, ep: int = 1, device: str = "cpu", kernels: str = "torch") -> list[list[int]]:
+def _generate(path, tp: int, ep: int = 1, device: str = "cpu", kernels: str = "torch", **options
+              ) -> list[list[int]]:
     blocks = Blocks()
     ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels=kernels, tp=tp, ep=ep,
-                               num_threads=1, device=device, dtype=torch.float32)
+                               num_threads=1, device=device, dtype=torch.float32, **options)
     try:
         states = [_state(f"r{i}", p) for i, p in enumerate(prompts(0, LENGTHS))]
         run_to_completion(ex.runner, blocks, states, CHUNK)
@@ -61,6 +62,16 @@ def test_tp_tokens_equal_one_device_and_transformers(tmp_path, layout, overrides
     one = _generate(path, 1)
     assert one == [hf_greedy(hf, p) for p in prompts(0, LENGTHS)]
     assert _generate(path, tp, ep) == one
+
+
+def test_w4a16_and_int8_kv_shards_give_the_one_device_tokens(tmp_path):
+    """Quantised after sharding: a rank's 4-bit groups are the whole model's (the group divides each rank's input
+    widths), so the tokens are one device's; the int8 KV cache of a rank holds its KV heads."""
+    _, path = tiny_checkpoint(tmp_path, "qwen2")
+    quant = dict(quant="w4a16", group_size=32, kv_dtype="int8")
+    assert _generate(path, 2, **quant) == _generate(path, 1, **quant)
+    with pytest.raises(ValueError, match=r"quant.group_size=64 must divide each rank's linear input widths"):
+        _generate(path, 2, quant="w4a16", group_size=64)
 
 
 @pytest.mark.parametrize(("layout", "tp", "ep"), [("qwen2", 2, 1), ("qwen3_moe_top1", 4, 2), ("mixtral", 4, 4)])
