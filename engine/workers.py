@@ -37,6 +37,18 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
+def _rank_threads(args: RunnerArgs) -> int:
+    """Torch threads of ranks 1 .. tp-1: ``num_threads``; on CPU, where the ranks share the cores, 1 unless set."""
+    return args.num_threads or (1 if args.device == "cpu" else torch.get_num_threads())
+
+
+def _start_method(args: RunnerArgs) -> str:
+    """fork where it is safe: CPU ranks on one thread start at once, torch already imported (a forked child must
+    not enter an OpenMP region the parent's thread pool was in: with one thread torch never does). Else spawn
+    (CUDA cannot be forked into; a fresh interpreter imports torch: seconds)."""
+    return "fork" if args.device == "cpu" and _rank_threads(args) == 1 else "spawn"
+
+
 def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(POLL_S)
@@ -47,8 +59,7 @@ def _follow(args: RunnerArgs, blocks: list[int], rank: int, port: int, parent: i
     """A rank process: build the shard and a runner per replica (KV pools of ``blocks`` blocks), join the group,
     run every broadcast step on its replica's runner until rank 0 sends None."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    torch.set_num_threads(_rank_threads(args))
     device = args.rank_device(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -122,9 +133,7 @@ class Workers:
         self.size, self.backend = args.tp, _backend(args.device)
         self.store = dist.TCPStore("127.0.0.1", 0, args.tp, True, timedelta(seconds=STARTUP_TIMEOUT_S),
                                    wait_for_workers=False)
-        # CPU: fork (the ranks start at once, with torch imported; nothing in torch.distributed runs yet); CUDA
-        # cannot be forked into
-        ctx = mp.get_context("spawn" if self.backend == "nccl" else "fork")
+        ctx = mp.get_context(_start_method(args))
         blocks = blocks or [args.num_blocks]
         self.procs = [ctx.Process(target=_follow, args=(args, blocks, r, self.store.port, os.getpid()), daemon=True,
                                   name=f"twinserve-tp-rank{r}") for r in range(1, args.tp)]
