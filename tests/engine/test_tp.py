@@ -108,6 +108,29 @@ def test_shards_sum_to_the_whole_layer(tmp_path, layout, tp, ep):
                                    rtol=1e-5)
 
 
+def test_ranks_start_after_the_parent_ran_threaded_gemms(tmp_path):
+    """A forked rank never enters the OpenMP pool its parent used (it hung there once): CPU ranks default to one
+    thread, forked; the parent on two threads with a pool in use."""
+    _, path = tiny_checkpoint(tmp_path, "llama")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(512, 512)
+        for _ in range(3):
+            x = torch.tanh(x @ x)
+        out = []
+        for tp in (1, 2):
+            blocks = Blocks()
+            ex = build_engine_executor(ModelSpec.from_pretrained(path), kv_manager=blocks, kernels="torch", tp=tp)
+            state = _state("a", prompts(0, [9])[0])
+            run_to_completion(ex.runner, blocks, [state], None)
+            ex.close()
+            out.append(state.output_token_ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert out[0] == out[1]
+
+
 def test_unshardable_widths_are_named(tmp_path):
     _, path = tiny_checkpoint(tmp_path, "mixtral")
     model = load_model(path)
