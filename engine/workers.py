@@ -1,5 +1,5 @@
 """Tensor-parallel ranks as processes (nano-vllm's shape): rank 0 is the run's own process and drives (scheduler,
-KV manager, sampling); ranks 1 .. tp-1 are spawned processes that build their shard (engine.tp) and loop on the
+KV manager, sampling); ranks 1 .. tp-1 are child processes that build their shard (engine.tp) and loop on the
 step inputs rank 0 broadcasts, running the same forward pass and collectives. gloo on CPU, NCCL on CUDA.
 
 Nothing outlives the run and nothing hangs: a rank that dies (crash, kill) is seen by rank 0 within a poll
