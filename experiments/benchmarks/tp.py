@@ -7,8 +7,10 @@ Usage: python -m experiments.bench_tp [--arch llama|qwen3_moe|mixtral] [--tp 1,2
 512, vocab 32000, fp32); the MoE archs are experiments.bench_moe's checkpoint (8 experts of half the width, top-2).
 ``batch`` requests of ``prompt`` tokens each generate ``output`` tokens through the serving loop (Sarathi
 scheduler); per degree and repeat: the prefill steps' summed time and the full-batch decode steps' median (wall
-clock of rank 0, which includes waiting for the other ranks). Degrees alternate within each repeat, so a shared
-machine's load hits them alike; medians over the repeats, with each repeat's decode step beside them.
+clock of rank 0, which includes waiting for the other ranks) and rank 0's time inside the collectives per step
+(all-reduces, the logits' gather, the step broadcast: transfer plus waiting for the slowest rank). Degrees
+alternate within each repeat, so a shared machine's load hits them alike; medians over the repeats, with each
+repeat's decode step beside them.
 
 On one CPU the ranks share the cores: tp 2 on 2 cores is expected slower than tp 1 (each rank's GEMMs are half
 the size, but the two all-reduces per layer, the embedding's all-reduce and the logits' gather, over gloo on
@@ -22,8 +24,10 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 
 import torch
+import torch.distributed as dist
 
 from core.kv_cache import KVCacheManager
 from core.loop import ServingLoop
@@ -40,6 +44,35 @@ from policies.schedulers.sarathi import SarathiScheduler
 from sim.clock import run_virtual
 
 BLOCK = 16
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast_object_list")  # what the engine's ranks call each step
+
+
+class _CollectiveTimer:
+    """Rank 0's wall time inside torch.distributed's collectives (the transfer plus the wait for the slowest rank:
+    the communication term of a TP step) while in use."""
+
+    def __init__(self) -> None:
+        self.total_s, self.calls, self._saved = 0.0, 0, {}
+
+    def __enter__(self) -> _CollectiveTimer:
+        for name in COLLECTIVES:
+            self._saved[name] = fn = getattr(dist, name)
+            setattr(dist, name, self._timed(fn))
+        return self
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
 
 
 def serve(spec: ModelSpec, prompts: list[list[int]], output: int, *, tp: int, ep: int, device: str, kernels: str,
@@ -53,7 +86,8 @@ def serve(spec: ModelSpec, prompts: list[list[int]], output: int, *, tp: int, ep
     try:
         ex.warmup(4)
         reqs = [Request(f"r{i}", 0.0, len(p), output, prompt_token_ids=tuple(p)) for i, p in enumerate(prompts)]
-        res = run_virtual(ServingLoop([replica], [ex], RoundRobinRouter(), _Requests(reqs)))
+        with _CollectiveTimer() as comm:
+            res = run_virtual(ServingLoop([replica], [ex], RoundRobinRouter(), _Requests(reqs)))
     finally:
         ex.close()
     full = [s.duration_s for s in res.steps if s.features.num_decode_seqs == len(prompts)
@@ -61,6 +95,8 @@ def serve(spec: ModelSpec, prompts: list[list[int]], output: int, *, tp: int, ep
     prefill = [s.duration_s for s in res.steps if s.features.num_prefill_tokens]
     return {"decode_step_ms": 1e3 * statistics.median(full) if full else float("nan"),
             "prefill_ms": 1e3 * sum(prefill), "steps": len(res.steps),
+            "collective_ms_per_step": 1e3 * comm.total_s / len(res.steps),
+            "collectives_per_step": comm.calls / len(res.steps),
             "tokens": [s.output_token_ids for s in sorted(res.states, key=lambda s: s.id)]}
 
 
@@ -105,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
             "decode_step_ms": round(statistics.median(r["decode_step_ms"] for r in rs), 3),
             "prefill_ms": round(statistics.median(r["prefill_ms"] for r in rs), 3),
             "decode_step_ms_runs": [round(r["decode_step_ms"], 3) for r in rs],
+            "collective_ms_per_step": round(statistics.median(r["collective_ms_per_step"] for r in rs), 3),
+            "collectives_per_step": round(rs[0]["collectives_per_step"], 2),
             "tokens_equal_tp1": all(r["tokens"] == runs[1][0]["tokens"] for r in rs)}
         results[f"tp_{t}"]["decode_vs_tp1"] = round(results[f"tp_{t}"]["decode_step_ms"]
                                                     / results["tp_1"]["decode_step_ms"], 3)

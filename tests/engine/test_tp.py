@@ -274,3 +274,14 @@ def test_compare_runs_unchanged_on_a_tp_run(tmp_path):
     summary = compare(cfg, tmp_path)
     assert summary["logic"]["identical"] and summary["calibration"]["fitted_here"]
     assert (tmp_path / "engine" / "steps.csv").read_text().splitlines()[0].endswith(",tp,ep")
+
+
+def test_tp_benchmark_smoke():
+    """experiments.bench_tp at its smallest: tp 2's tokens equal tp 1's, its collectives counted (the step
+    broadcast, the embedding's all-reduce, two per layer, the logits' gather)."""
+    from experiments.benchmarks.tp import main
+
+    out = main(["--hidden", "64", "--layers", "1", "--vocab", "256", "--batch", "2", "--prompt", "8", "--output", "4",
+                "--repeats", "1"])
+    assert out["tp_1"]["collectives_per_step"] == 0 and out["tp_2"]["collectives_per_step"] == 1 + 1 + 2 + 1
+    assert out["tp_2"]["tokens_equal_tp1"] and out["tp_2"]["collective_ms_per_step"] > 0
