@@ -285,3 +285,27 @@ def test_tp_benchmark_smoke():
                 "--repeats", "1"])
     assert out["tp_1"]["collectives_per_step"] == 0 and out["tp_2"]["collectives_per_step"] == 1 + 1 + 2 + 1
     assert out["tp_2"]["tokens_equal_tp1"] and out["tp_2"]["collective_ms_per_step"] > 0
+
+
+@pytest.mark.slow  # two engine runs with speculation: ~15 s here
+def test_ngram_speculation_under_tp_gives_the_one_device_tokens(tmp_path):
+    """Draft verification on rank 0 over the gathered logits: the ranks run the same verify step."""
+    one, _ = _engine_run(tmp_path / "tp1", "spec=ngram")
+    two, _ = _engine_run(tmp_path / "tp2", "spec=ngram", "parallel.tp=2")
+    assert two == one
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.tp=2", "parallel.pp=2"], r"parallel.pp=2: the engine runs tensor \(parallel.tp\) and expert"),
+    (["model=qwen3_30b_a3b", "model.path=null", "parallel.dp=2", "parallel.ep=2"], r"parallel.dp=2: the engine"),
+    (["parallel.tp=2", "cluster=pd", "cluster.prefill_replicas=1", "cluster.decode_replicas=1"],
+     r"parallel.tp=2 with cluster=pd"),
+    (["parallel.tp=2", "engine_clock=thread"], r"engine_clock=thread needs .* parallel.tp=1"),
+])
+def test_what_the_engine_does_not_parallelise_is_refused_by_key(tmp_path, overrides, message):
+    from experiments.run import run
+    from tests.experiments.test_run import cfg_with
+
+    with pytest.raises(ValueError, match=message):
+        run(cfg_with("backend=engine", "model=tiny", "backend.num_threads=1", "workload.num_requests=2",
+                     "output.plots=false", *overrides), tmp_path)
