@@ -344,7 +344,8 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
               metrics: Mapping[str, Any], extra_files: Mapping[str, str | bytes] | None = None, *,
               timing: Mapping[str, Any] | None = None, run_status: str = COMPLETE, file_format: str = "csv",
               tokens: str = "all",
-              extra_request_columns: Mapping[str, Callable[[RequestState], Any]] | None = None) -> dict[str, Path]:
+              extra_request_columns: Mapping[str, Callable[[RequestState], Any]] | None = None,
+              extra_step_columns: Mapping[str, int] | None = None) -> dict[str, Path]:
     """Write the run's files into ``out_dir`` (created if needed); returns name -> path as written.
 
     requests, tokens (unless ``tokens`` is ``none``) and steps (none when ``steps`` is None: a black box has no
@@ -355,7 +356,9 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
     is ``complete`` the data files are named ``<name>.partial``. If writing fails or is interrupted (any exception,
     KeyboardInterrupt included), what was written is kept as ``.partial`` files beside a metrics.json whose
     ``run_status`` is ``interrupted``, and the exception propagates. ``extra_request_columns``: more requests-file
-    columns after the usual ones, name -> the cell of a request (a PD cluster's transfer columns).
+    columns after the usual ones, name -> the cell of a request (a PD cluster's transfer columns);
+    ``extra_step_columns``: more steps-file columns after the usual ones, name -> the run's one value (a tensor-
+    parallel run's rank count).
     """
     if run_status not in RUN_STATUSES:
         raise ValueError(f"run_status must be one of {RUN_STATUSES}, got {run_status!r}")
@@ -380,8 +383,11 @@ def write_run(out_dir: str | Path, states: Iterable[RequestState], steps: Iterab
                 write(stage / f"tokens.{ext}", TOKEN_COLUMNS, [token_columns(ordered)])
             if steps is not None:  # in chunks: the columns of a long run's steps are never all built at once
                 steps = steps if isinstance(steps, Sequence) else list(steps)
-                write(stage / f"steps.{ext}", StepRecord.columns(), step_chunks(steps),
-                      steps.cell_types() if isinstance(steps, StepLog) else None)
+                const = extra_step_columns or {}
+                types = steps.cell_types() if isinstance(steps, StepLog) else None
+                chunks = ([*c, *([v] * (len(c[0]) if c else 0) for v in const.values())] for c in step_chunks(steps))
+                write(stage / f"steps.{ext}", (*StepRecord.columns(), *const), chunks,
+                      None if types is None else [*types, *({type(v)} for v in const.values())])
             for name, content in (extra_files or {}).items():
                 if isinstance(content, bytes):
                     (stage / name).write_bytes(content)

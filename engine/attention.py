@@ -54,12 +54,14 @@ def paged_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device | str, kv_dtype: str = "auto") -> list[KVCache]:
-    """One KVCache per layer, uninitialised: a slot is always written before attention reads it."""
+                       device: torch.device | str, kv_dtype: str = "auto",
+                       num_kv_heads: int | None = None) -> list[KVCache]:
+    """One KVCache per layer, uninitialised: a slot is always written before attention reads it.
+    ``num_kv_heads``: the heads this rank holds (tensor parallelism), default the model's."""
     check_choice(kv_dtype, "kv_dtype", KV_DTYPES)
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (num_blocks, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim)
     int8 = kv_dtype == "int8"
     caches = []
     for _ in range(spec.num_layers):

@@ -16,10 +16,10 @@ from engine.host_pool import HostKVPool
 from engine.loader import build_model
 from engine.model import LlamaForCausalLM
 from engine.options import EngineOptions
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, RunnerArgs, build_runner, resolve_kernels
 from engine.sampler import Sampler, SamplingParams
 from engine.speculative import DraftModelProposer, Proposer
-from kernels.ops import get_kernels
+from engine.workers import Workers
 
 if TYPE_CHECKING:
     from core.kv_cache import KVCacheManager
@@ -35,6 +35,7 @@ def _sync(device: torch.device) -> None:
 # the core: on a shared machine the wall clock of a step swings by tens of percent with the neighbours' load, the
 # thread's CPU time far less. Anything else (a GPU, several torch threads, the server) needs ``wall``.
 STOPWATCHES = {"wall": time.perf_counter, "thread": time.thread_time}
+FAILED_RANK_WAIT_S = 3.0  # a collective failed: how long to wait for the rank behind it to be seen exiting
 
 
 class EngineExecutor(BaseExecutor):
@@ -68,11 +69,25 @@ class EngineExecutor(BaseExecutor):
             if self.proposer is None:
                 raise RuntimeError("the batch verifies draft tokens but the engine has no draft proposer (spec.method)")
             drafts = self.proposer.propose([ch for ch in batch.chunks if ch.num_draft_tokens], self._sequence)
-            tokens, counts = self.runner.speculate(batch, self.kv_manager.block_table, drafts)
+            tokens, counts = self._run(self.runner.speculate, batch, self.kv_manager.block_table, drafts)
         else:
-            tokens, counts = self.runner.execute(batch, self.kv_manager.block_table), None
+            tokens, counts = self._run(self.runner.execute, batch, self.kv_manager.block_table), None
         _sync(self.runner.device)
         return StepOutput(tokens, self.stopwatch() - t0, counts)
+
+    def _run(self, step, *args):
+        """A tensor-parallel step whose collective failed because a rank died raises naming that rank."""
+        try:
+            return step(*args)
+        except RuntimeError:
+            if self.runner.workers is not None:
+                self.runner.workers.check(wait_s=FAILED_RANK_WAIT_S)
+            raise
+
+    def close(self) -> None:
+        """End the tensor-parallel ranks (a no-op on one device); the executor cannot step afterwards."""
+        if self.runner.workers is not None:
+            self.runner.workers.close()
 
     def _copy(self, batch: Batch) -> None:
         """The step's host-tier block copies, before its forward pass; their time counts in the step and is also
@@ -123,32 +138,27 @@ class EngineExecutor(BaseExecutor):
             self.proposer.release(request_id)
 
 
-def resolve_kernels(name: str, device: str | torch.device) -> str:
-    """``auto``: the Triton kernels on a GPU, the native CPU ops (torch references elsewhere) on CPU; other names
-    pass through."""
-    if name == "auto":
-        return "triton" if str(device).startswith("cuda") else "native"
-    return name
-
-
 def build_engine_executors(spec: ModelSpec, options: EngineOptions, quant: QuantSpec,
                            kv_managers: list[KVCacheManager], seed: int = 0,
-                           clock: str = "wall") -> list[EngineExecutor]:
+                           clock: str = "wall", tp: int = 1, ep: int = 1) -> list[EngineExecutor]:
     """One executor per replica; the replicas share one model. ``quant``: W4A16 weights (weight_bits 4) and int8 KV
-    (kv_bits 8), checked against the model by ``EngineOptions.check_quant``."""
+    (kv_bits 8), checked against the model by ``EngineOptions.check_quant``. ``tp`` / ``ep`` (``parallel``): one
+    replica over tp ranks (build_engine_executor)."""
     options.check_quant(quant, spec)
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     kernels, sampling = resolve_kernels(options.kernels, options.device), options.sampling
-    model, executors = None, []
-    for kv in kv_managers:
+    model, executors, workers = None, [], None
+    for i, kv in enumerate(kv_managers):
         ex = build_engine_executor(spec, kv_manager=kv, kernels=kernels, device=options.device,
                                    dtype=options.torch_dtype, quant="w4a16" if quant.weight_bits == 4 else None,
                                    group_size=quant.group_size, kv_dtype="int8" if quant.kv_bits == 8 else "auto",
                                    seed=seed, sampling=sampling, model=model, clock=clock,
                                    host_blocks=kv.host.num_blocks if kv.host is not None else 0,
-                                   cpu_gemm=options.cpu_gemm, greedy_screen=options.greedy_screen)
-        model = ex.runner.model
+                                   cpu_gemm=options.cpu_gemm, greedy_screen=options.greedy_screen, tp=tp, ep=ep,
+                                   num_threads=options.num_threads, workers=workers, replica=i,
+                                   replica_blocks=[k.num_blocks for k in kv_managers])
+        model, workers = ex.runner.model, ex.runner.workers
         ex.warmup(options.warmup_steps, options.cuda_graphs)
         executors.append(ex)
     return executors
@@ -159,23 +169,33 @@ def build_engine_executor(spec: ModelSpec, *, kv_manager: KVCacheManager, kernel
                           group_size: int = 128, kv_dtype: str = "auto", seed: int = 0,
                           sampling: SamplingParams | None = None, model: LlamaForCausalLM | None = None,
                           clock: str = "wall", host_blocks: int = 0, cpu_gemm: str = "auto",
-                          greedy_screen: bool = True) -> EngineExecutor:
+                          greedy_screen: bool = True, tp: int = 1, ep: int = 1,
+                          num_threads: int | None = None, workers: Workers | None = None, replica: int = 0,
+                          replica_blocks: list[int] | None = None) -> EngineExecutor:
     """One replica's executor, with KV tensors for the manager's pool (and a host pool of ``host_blocks`` blocks
     for the manager's host tier, if it has one). Pass ``model`` to share one set of weights
     between replicas (each executor gets its own KV cache tensors); otherwise the model is loaded from
     ``spec.path`` or random-initialised from ``seed``. ``cpu_gemm``: kernels.cpu_gemm.CPU_GEMMS; ``greedy_screen``:
-    LlamaForCausalLM.use_greedy_screen."""
-    num_blocks, block_size = kv_manager.num_blocks, kv_manager.block_size
-    kernel_set = get_kernels(resolve_kernels(kernels, device))
-    if dtype is None and model is None and str(device).startswith("cuda") and spec.dtype == "float32":
-        dtype = torch.bfloat16  # fp32 on a GPU runs ieee dots without tensor cores: bf16 unless asked for
-    if model is None:
-        model = build_model(spec, seed=seed, dtype=dtype, device=device, quant=quant, group_size=group_size)
-    model.use_cpu_gemm(cpu_gemm)
-    model.use_greedy_screen(greedy_screen)
-    caches = allocate_kv_caches(spec, num_blocks, block_size, model.dtype, model.device, kv_dtype)
-    sampler = Sampler(sampling, seed=seed, device=model.device)
-    runner = ModelRunner(model, spec, kernel_set, caches, block_size, model.device, sampler, seed)
+    LlamaForCausalLM.use_greedy_screen. ``tp`` > 1: this process is rank 0 of ``tp`` tensor-parallel ranks
+    (``ep``: the experts' parallel degree), the others started here (engine.workers; ``close`` ends them) with
+    a runner for each of ``replica_blocks`` (the KV pools of the replicas), or given as ``workers`` with this
+    executor's ``replica`` and the shared (sharded) ``model``."""
+    args = RunnerArgs(spec, kv_manager.num_blocks, kv_manager.block_size, kernels, device, dtype, quant, group_size,
+                      kv_dtype, seed, sampling, cpu_gemm, greedy_screen, num_threads, tp, ep)
+    if tp > 1 and host_blocks:
+        raise ValueError(f"parallel.tp={tp} with a host KV tier (kv.host): the ranks' host copies are not built")
+    if tp > 1 and workers is None:
+        workers = Workers(args, replica_blocks)
+    try:
+        runner = build_runner(args, 0, model)
+        if workers is not None:
+            workers.join()
+            runner.workers, runner.replica = workers, replica
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    caches = runner.kv_caches
     return EngineExecutor(runner, kv_manager, clock, host_pool=HostKVPool(caches, host_blocks) if host_blocks else None)
 
 

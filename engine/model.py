@@ -81,6 +81,10 @@ def _by_rows(fn, chunk: int | None, *xs):
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int, dtype: torch.dtype, device) -> None:
         super().__init__()
@@ -88,6 +92,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = SparseMoE(spec, dtype, device) if is_moe_layer(spec, layer) else MLP(spec, dtype, device)
+        self.reduce = _same  # tensor parallelism: the all-reduce after the row-parallel o_proj and MLP (engine.tp)
 
     def forward(self, h, residual, positions, meta, cache, cos_sin, kernels, row_chunk: int | None = None):
         """Everything but attention itself is token-wise, so it may run ``row_chunk`` tokens at a time."""
@@ -96,8 +101,9 @@ class DecoderLayer(nn.Module):
             return *self.self_attn.project(x, positions, cos_sin, kernels), residual
 
         def post(o, residual):
-            x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o, kernels), residual, kernels)
-            return self.mlp(x, kernels), residual
+            x, residual = self.post_attention_layernorm(self.reduce(self.self_attn.o_proj(o, kernels)), residual,
+                                                        kernels)
+            return self.reduce(self.mlp(x, kernels)), residual
 
         q, k, v, residual = _by_rows(pre, row_chunk, h, residual, positions)
         return _by_rows(post, row_chunk, self.self_attn.attend(q, k, v, meta, cache, kernels), residual)
@@ -130,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
                                                                      self.dtype, device)
         self.logits_matmul = CpuLinear()  # the LM head (or the tied embedding) as a GEMM
         self.greedy_screen: GreedyScreen | None = GreedyScreen()  # greedy tokens without all the logits (CPU)
+        self.tp = None  # engine.tp.TensorParallel: this rank's shard of a tensor-parallel model (engine.tp.shard_model)
         # cos/sin rounded to the model dtype, as HF casts them before rotating
         self.register_buffer("cos_sin", rope_cos_sin(spec.head_dim, spec.max_model_len, spec.rope_theta,
                                                      spec.rope_scaling, self.dtype, device), persistent=False)
@@ -142,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], kernels: KernelSet, rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions int64 [T] -> final hidden states [T, hidden], or only those of ``rows`` (the
         sampled tokens: the final norm is token-wise); writes this step's K/V."""
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        h = F.embedding(input_ids, self.model.embed_tokens.weight) if self.tp is None else self.tp.embed(
+            input_ids, self.model.embed_tokens.weight)
         residual = None
         row_chunk = CPU_ROW_CHUNK if h.device.type == "cpu" else None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
@@ -152,8 +160,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h, residual, kernels)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised)."""
-        return self.logits_matmul(hidden, self.logits_weight)
+        """[n, hidden] -> [n, vocab] (the LM head stays in 16-bit even when the layers are quantised; tensor
+        parallel: each rank's vocabulary slice, gathered)."""
+        logits = self.logits_matmul(hidden, self.logits_weight)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.spec.vocab_size)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[n, hidden] -> the argmax of each row's logits (int64 [n]) through the LM head's int8 screen
@@ -164,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
     def use_greedy_screen(self, on: bool) -> None:
         """backend.greedy_screen: greedy_tokens through the screen (True) or never (False: callers compute every
         logit)."""
+        on = on and self.tp is None  # a rank holds a slice of the LM head: the screen needs all of it
         if on != (self.greedy_screen is not None):
             self.greedy_screen = GreedyScreen() if on else None
 

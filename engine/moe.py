@@ -15,6 +15,7 @@ from torch import nn
 from core.specs import ModelSpec
 from engine.layers import Linear, linear_weight
 from kernels.cpu_gemm import CpuLinear
+from kernels.grouped_gemm import route_tokens
 from kernels.ops import KernelSet
 
 
@@ -37,33 +38,56 @@ class Experts(nn.Module):
         n, width = spec.moe.num_experts, spec.moe.intermediate_size
         self.gate_up_proj = linear_weight(2 * width, spec.hidden_size, dtype, device, n)
         self.down_proj = linear_weight(spec.hidden_size, width, dtype, device, n)
+        self.num_experts, self.first = n, 0  # the model's experts; the first one held here (engine.tp: EP shards)
         self.matmuls = self._matmuls(native_only=False)
 
     def _matmuls(self, native_only: bool) -> list[tuple[CpuLinear, CpuLinear]]:
         return [(CpuLinear(native_only), CpuLinear(native_only)) for _ in range(self.gate_up_proj.shape[0])]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
-        """x [T, d]; each token's expert ``ids`` and ``weights`` [T, k] -> sum_j weights[t, j] · expert_ids[t, j](x[t]).
+        """x [T, d]; each token's expert ``ids`` and ``weights`` [T, k] -> sum_j weights[t, j] · expert_ids[t, j](x[t])
+        over the experts this module holds (all, or an expert-parallel rank's ``first`` ... ``first + n - 1``;
+        the others' pairs add nothing here: the ranks' sums are all-reduced).
 
-        The T·k (token, expert) pairs are sorted by expert; each expert that got any runs one GEMM pair over its rows
-        (a Python loop over experts, never over tokens)."""
+        The T·k (token, expert) pairs are sorted by expert (the pairs of experts held elsewhere last); on CPU each
+        held expert that got any runs one GEMM pair over its rows (a Python loop over experts, never over tokens),
+        elsewhere one grouped GEMM (kernels.grouped_gemm: the Triton kernel on CUDA) runs them all."""
         num_tokens, k = ids.shape
-        flat = ids.flatten()
+        n = self.gate_up_proj.shape[0]
+        flat = ids.flatten() - self.first
+        if self.first or n < self.num_experts:  # expert parallel: other ranks' experts -> n (sorted last, skipped)
+            flat = torch.where((flat >= 0) & (flat < n), flat, n)
+        if x.device.type != "cpu":
+            return self._grouped(x, weights, flat.view(num_tokens, k), kernels)
         order = torch.argsort(flat, stable=True)  # pair p = t·k + j, grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one host sync per layer
+        counts = torch.bincount(flat, minlength=n + 1).tolist()  # one host sync per layer
         rows = x[order // k]
         outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
+        for e, m in enumerate(counts[:n]):
+            if m:
                 gate_up, down = self.matmuls[e]
-                h = kernels.silu_and_mul(gate_up(rows[start:start + n], self.gate_up_proj[e]))
+                h = kernels.silu_and_mul(gate_up(rows[start:start + m], self.gate_up_proj[e]))
                 outs.append(down(h, self.down_proj[e]))
-                start += n
-        by_pair = torch.empty_like(rows)
-        by_pair[order] = torch.cat(outs)
+                start += m
+        by_pair = torch.zeros_like(rows) if start < len(rows) else torch.empty_like(rows)
+        if outs:
+            by_pair[order[:start]] = torch.cat(outs)
         # weighted in float32 and rounded once, as Mixtral does (Qwen3-MoE rounds the weights to the model dtype
         # first: the same in fp32)
         return (by_pair.view(num_tokens, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        """The experts as two grouped GEMMs (the SwiGLU in the first one's epilogue) over the pairs in expert
+        order; ids n (experts held elsewhere) sort last and are cut off, at one host sync for their count."""
+        n = self.gate_up_proj.shape[0]
+        route = route_tokens(ids, n + 1)
+        offsets, rows = route.expert_offsets[:n + 1], route.permute(x)
+        held = rows.shape[0] if n == self.num_experts else int(offsets[n])
+        h = kernels.grouped_gemm(rows[:held], offsets, self.gate_up_proj, True)
+        y = kernels.grouped_gemm(h, offsets, self.down_proj)
+        if held < rows.shape[0]:
+            y = torch.cat([y, y.new_zeros(rows.shape[0] - held, y.shape[1])])
+        return route.combine(y, weights).to(x.dtype)
 
     def use_cpu_gemm(self, native_only: bool) -> None:
         """LlamaForCausalLM.use_cpu_gemm for the experts' GEMMs."""

@@ -14,17 +14,35 @@ import torch
 
 from core.batch import Batch
 from core.prompt import materialize
-from core.request import RequestState
+from core.request import RequestState, SamplingParams
 from core.specs import ModelSpec
-from engine.attention import AttentionMetadata, KVCache
+from engine.attention import AttentionMetadata, KVCache, allocate_kv_caches
 from engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs
+from engine.loader import build_model
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler
+from engine.tp import local_kv_heads, shard_model
 from kernels.attention import DecodeCache, paged_attention_torch, plan_attention
 from kernels.cpu_native import paged_attention_native
 from kernels.ops import KernelSet, get_kernels
 
 PROMPT_CACHE_PRUNE_MIN = 1024  # prompt-cache size at which finished requests are swept out
+
+
+@dataclass(frozen=True, slots=True)
+class HostInputs:
+    """A step's inputs as host arrays: what rank 0 broadcasts to the other tensor-parallel ranks each step."""
+
+    ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    qsl: np.ndarray  # int32 [S + 1]
+    seq_lens: np.ndarray  # int32 [S]
+    tables: np.ndarray  # int32 [S, max_blocks]
+    rows: np.ndarray  # int64 [n]: the sampled rows
+    max_query_len: int
+    max_seq_len: int
+    decodes: tuple[str, ...]  # the ids of the requests this step decodes (the CPU decode cache's owners)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +97,14 @@ class ModelRunner:
         self._prompts: dict[str, tuple[RequestState, list[int]]] = {}
         self._prune_at = PROMPT_CACHE_PRUNE_MIN
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode-only steps (capture_graphs)
+        self.workers = None  # tensor parallelism: rank 0's engine.workers.Workers, which get every step's inputs
+        self.replica = 0  # which of the workers' replicas this runner is
 
     @property
     def can_capture_graphs(self) -> bool:
         # an MoE layer sizes its expert GEMMs from the step's routing on the host: no fixed graph to replay
-        return self.device.type == "cuda" and not self._plan_attention and self.spec.moe is None
+        return self.device.type == "cuda" and not self._plan_attention and self.spec.moe is None \
+            and self.model.tp is None
 
     def capture_graphs(self, max_batch: int = BATCH_BUCKETS[-1]) -> None:
         """Capture the decode-only forward pass per batch-size bucket (engine.cuda_graphs); CUDA + Triton only."""
@@ -115,9 +136,11 @@ class ModelRunner:
         self._prompts[state.id] = (state, prompt)
         return prompt
 
-    def prepare(self, batch: Batch, block_table: Callable[[str], list[int]],
-                drafts: Mapping[str, list[int]] | None = None) -> StepInputs:
-        """Flatten ``batch``: token ids, positions, slot mapping, query offsets, context lengths, block tables.
+    def host_inputs(self, batch: Batch, block_table: Callable[[str], list[int]],
+                    drafts: Mapping[str, list[int]] | None = None
+                    ) -> tuple[HostInputs, list[RequestState] | None, list[list[int]] | None]:
+        """Flatten ``batch``: token ids, positions, slot mapping, query offsets, context lengths, block tables, as
+        host arrays; with the states of the sampled rows when one brings its own sampling or drafts, and the drafts.
         ``drafts``: the draft tokens of each chunk with ``num_draft_tokens`` (by request id), fed after its token."""
         bs, prompts = self.block_size, self._prompts
         ids: list[int] = []
@@ -182,18 +205,33 @@ class ModelRunner:
         tables[np.arange(tables.shape[1]) < nb_a[:, None]] = blocks_a
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
+        host = HostInputs(ids_a, positions, slots, qsl, (starts_a + lens_a).astype(np.int32), tables, rows_a,
+                          max(lens), max_seq_len, tuple(ch.state.id for ch in batch.chunks if ch.num_positions == 1))
+        sample_states = [ch.state for ch in batch.chunks if ch.samples] if own_sampling or sample_drafts else None
+        return host, sample_states, sample_drafts
+
+    def prepare(self, batch: Batch, block_table: Callable[[str], list[int]],
+                drafts: Mapping[str, list[int]] | None = None) -> StepInputs:
+        """Flatten ``batch`` (``host_inputs``), send that to the other tensor-parallel ranks if there are any, and
+        put it on the device (``device_inputs``)."""
+        host, sample_states, sample_drafts = self.host_inputs(batch, block_table, drafts)
+        if self.workers is not None:
+            self.workers.broadcast(self.replica, host)
+        return self.device_inputs(host, sample_states, sample_drafts)
+
+    def device_inputs(self, host: HostInputs, sample_states: list[RequestState] | None = None,
+                      drafts: list[list[int]] | None = None) -> StepInputs:
+        """The step's tensors on the model's device and its attention plan (every tensor-parallel rank runs this
+        on the inputs rank 0 broadcast: each rank has its own decode cache)."""
         dev = self.device
         to_dev = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev, non_blocking=True)
-        seq_lens = (starts_a + lens_a).astype(np.int32)
         if self._decode_cache is not None:
-            self._decode_cache.claim(tuple(ch.state.id for ch in batch.chunks if ch.num_positions == 1))
-        max_query_len = max(lens)
-        plan = plan_attention(tables, seq_lens, qsl, bs, self._decode_cache, dev) \
-            if self._plan_attention and (self._plan_decodes or max_query_len > 1) else None
-        meta = AttentionMetadata(to_dev(slots), to_dev(qsl), to_dev(seq_lens), to_dev(tables), max_query_len,
-                                 max_seq_len, plan)
-        sample_states = [ch.state for ch in batch.chunks if ch.samples] if own_sampling or sample_drafts else None
-        return StepInputs(to_dev(ids_a), to_dev(positions), meta, to_dev(rows_a), sample_states, sample_drafts)
+            self._decode_cache.claim(host.decodes)
+        plan = plan_attention(host.tables, host.seq_lens, host.qsl, self.block_size, self._decode_cache, dev) \
+            if self._plan_attention and (self._plan_decodes or host.max_query_len > 1) else None
+        meta = AttentionMetadata(to_dev(host.slots), to_dev(host.qsl), to_dev(host.seq_lens), to_dev(host.tables),
+                                 host.max_query_len, host.max_seq_len, plan)
+        return StepInputs(to_dev(host.ids), to_dev(host.positions), meta, to_dev(host.rows), sample_states, drafts)
 
     @torch.inference_mode()
     def warmup_kernels(self) -> None:
@@ -215,7 +253,8 @@ class ModelRunner:
         per_seq = -(-ctx // self.block_size)
         tables = (torch.arange(seqs * per_seq, dtype=i32, device=dev) % cache.k.shape[0]).view(seqs, per_seq)
         lens = torch.full((seqs,), ctx, dtype=i32, device=dev)
-        q = torch.zeros(chunk + seqs, self.spec.num_heads, self.spec.head_dim, dtype=self.model.dtype, device=dev)
+        heads = self.model.model.layers[0].self_attn.num_heads  # this rank's (tensor parallelism)
+        q = torch.zeros(chunk + seqs, heads, self.spec.head_dim, dtype=self.model.dtype, device=dev)
         for max_q in (1, chunk):
             qsl = torch.arange(seqs + 1, dtype=i32, device=dev) + (max_q - 1) * (torch.arange(seqs + 1) > 0).to(dev)
             for splits in (1, 2):
@@ -260,11 +299,24 @@ class ModelRunner:
         if graphs is not None and f.num_decode_seqs == f.num_batched_tokens == f.num_seqs \
                 and graphs.fits(f.num_seqs, inputs.meta.block_tables.shape[1]):
             return ForwardOutput(logits=graphs.run(inputs.input_ids, inputs.positions, inputs.meta)), inputs
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
-                            rows=inputs.logits_rows)
+        hidden = self.forward_inputs(inputs)
         if inputs.logits_rows.numel() == 0:
             return None, inputs
         return ForwardOutput(hidden=hidden), inputs
+
+    def forward_inputs(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's forward pass over prepared inputs -> the sampled rows' final hidden states."""
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.kernels,
+                          rows=inputs.logits_rows)
+
+    @torch.inference_mode()
+    def follow(self, host: HostInputs) -> None:
+        """A tensor-parallel worker's step: rank 0's inputs through this rank's shard, the same collectives as
+        rank 0 (the layers' all-reduces, the logits' gather when rows sample; rank 0 samples)."""
+        inputs = self.device_inputs(host)
+        hidden = self.forward_inputs(inputs)
+        if inputs.logits_rows.numel():
+            self.model.compute_logits(hidden)
 
     def _logits(self, out: ForwardOutput) -> torch.Tensor:
         return out.logits if out.logits is not None else self.model.compute_logits(out.hidden)
@@ -295,3 +347,69 @@ class ModelRunner:
             counts.append(len(out))
             row += 1 + len(draft)
         return tokens, counts
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    """How to build one replica's runner: picklable, so each tensor-parallel rank's process builds its own shard.
+    ``quant``: "w4a16" or None; ``kv_dtype``: engine.attention.KV_DTYPES; ``cpu_gemm``: kernels.cpu_gemm.CPU_GEMMS;
+    ``greedy_screen``: LlamaForCausalLM.use_greedy_screen; ``tp`` / ``ep``: engine.tp."""
+
+    spec: ModelSpec
+    num_blocks: int
+    block_size: int
+    kernels: str = "auto"
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+    quant: str | None = None
+    group_size: int = 128
+    kv_dtype: str = "auto"
+    seed: int = 0
+    sampling: SamplingParams | None = None
+    cpu_gemm: str = "auto"
+    greedy_screen: bool = True
+    num_threads: int | None = None
+    tp: int = 1
+    ep: int = 1
+
+    def rank_device(self, rank: int) -> str:
+        """Rank r of a CUDA run takes the r-th GPU from the configured one; CPU ranks share the CPU."""
+        if not self.device.startswith("cuda"):
+            return self.device
+        return f"cuda:{(torch.device(self.device).index or 0) + rank}"
+
+
+def resolve_kernels(name: str, device: str | torch.device) -> str:
+    """``auto``: the Triton kernels on a GPU, the native CPU ops (torch references elsewhere) on CPU; other names
+    pass through."""
+    if name == "auto":
+        return "triton" if str(device).startswith("cuda") else "native"
+    return name
+
+
+def build_runner(args: RunnerArgs, rank: int = 0, model: LlamaForCausalLM | None = None) -> ModelRunner:
+    """Rank ``rank``'s runner: the model (``model``, shared; or loaded from ``spec.path`` or seeded, then cut to
+    this rank's shard and quantised), KV tensors of ``num_blocks`` blocks for its KV heads, a sampler."""
+    spec, device = args.spec, args.rank_device(rank)
+    dtype = args.dtype
+    if dtype is None and model is None and device.startswith("cuda") and spec.dtype == "float32":
+        dtype = torch.bfloat16  # fp32 on a GPU runs ieee dots without tensor cores: bf16 unless asked for
+    if model is None:
+        sharded = args.tp > 1
+        model = build_model(spec, seed=args.seed, dtype=dtype, device=device, quant=None if sharded else args.quant,
+                            group_size=args.group_size)
+        if sharded:
+            shard_model(model, rank, args.tp, args.ep)
+            if args.quant == "w4a16":
+                widths = (spec.num_heads * spec.head_dim // args.tp, spec.intermediate_size // args.tp)
+                if any(w % args.group_size for w in widths):
+                    raise ValueError(f"quant.group_size={args.group_size} must divide each rank's linear input "
+                                     f"widths {widths} (attention, FFN) at parallel.tp={args.tp}")
+                model.quantize(args.group_size)
+    model.use_cpu_gemm(args.cpu_gemm)
+    model.use_greedy_screen(args.greedy_screen)
+    caches = allocate_kv_caches(spec, args.num_blocks, args.block_size, model.dtype, model.device, args.kv_dtype,
+                                local_kv_heads(spec.num_kv_heads, args.tp))
+    sampler = Sampler(args.sampling, seed=args.seed, device=model.device)
+    return ModelRunner(model, spec, get_kernels(resolve_kernels(args.kernels, device)), caches, args.block_size,
+                       model.device, sampler, args.seed)

@@ -264,8 +264,11 @@ def _engine_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]
     from engine.executor import build_draft_proposer, build_engine_executors
 
     options, spec = run.engine, run.speculation
+    if run.parallel.tp > 1 and run.cluster.num_prefill:
+        raise ValueError(f"parallel.tp={run.parallel.tp} with cluster=pd: the engine moves KV between replicas on "
+                         "one device (rank 0 holds only its shard of the KV heads)")
     executors = build_engine_executors(run.model, options, run.quant, [r.kv for r in replicas], seed=run.seed,
-                                       clock=run.engine_clock)
+                                       clock=run.engine_clock, tp=run.parallel.tp, ep=run.parallel.ep)
     if spec.method == "ngram":
         from engine.speculative import NgramProposer
 

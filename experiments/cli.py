@@ -38,7 +38,7 @@ COMMANDS = {
     "quant_study": "experiments.studies.quant_study", "quant_quality": "experiments.studies.quant_quality",
     "sweep_report": "experiments.studies.sweep_report",
     "bench_sim": "experiments.benchmarks.sim", "bench_engine": "experiments.benchmarks.engine",
-    "bench_moe": "experiments.benchmarks.moe",
+    "bench_moe": "experiments.benchmarks.moe", "bench_tp": "experiments.benchmarks.tp",
     "bench_gpu": "experiments.benchmarks.gpu", "bench_serve": "experiments.benchmarks.serve",
     "bench_loadgen": "experiments.benchmarks.loadgen", "bench_soak": "experiments.benchmarks.soak",
     "gpu_check": "experiments.benchmarks.gpu_check",

@@ -344,9 +344,11 @@ class RunConfig:
         kv = _record(KVConfig, "kv", cfg.kv)
         parallel = _record(ParallelConfig, "parallel", cfg.get("parallel"))
         parallel.check(model)
-        if engine is not None and parallel.devices * parallel.ep > 1:
-            raise ValueError(f"parallel={parallel}: the engine runs one device per replica; parallel deployments "
-                             "are simulated (backend=sim)")
+        if engine is not None and (parallel.pp > 1 or parallel.dp > 1):
+            key = "pp" if parallel.pp > 1 else "dp"
+            raise ValueError(f"parallel.{key}={getattr(parallel, key)}: the engine runs tensor (parallel.tp) and "
+                             "expert (parallel.ep) parallelism only; pipeline and data-parallel attention are "
+                             "simulated (backend=sim)")
         return cls(
             config=cfg, backend=backend, model=model, hardware=hardware, kv=kv, quant=quant, parallel=parallel,
             limits=scheduler_limits(cfg, model, engine),
@@ -355,7 +357,7 @@ class RunConfig:
             output=_record(OutputConfig, "output", cfg.get("output")),
             metrics=_record(MetricsConfig, "metrics", cfg.get("metrics")),
             seed=check_int(cfg.get("seed", 0), "seed", 0),
-            engine_clock=resolve_engine_clock(cfg.get("engine_clock", "auto"), engine),
+            engine_clock=resolve_engine_clock(cfg.get("engine_clock", "auto"), engine, parallel.tp),
             frontend_delay_s=None if cfg.get("frontend_delay_s") is None
             else check_float(cfg.frontend_delay_s, "frontend_delay_s"),
             num_kv_blocks=num_kv_blocks(kv, quant, model, hardware),
@@ -402,16 +404,17 @@ def scheduler_limits(cfg: DictConfig, model: ModelSpec, engine: EngineOptions | 
                            eos_token_ids=frozenset(model.eos_token_ids), ignore_eos=not stop_at_eos)
 
 
-def resolve_engine_clock(clock: Any, engine: EngineOptions | None) -> str:
+def resolve_engine_clock(clock: Any, engine: EngineOptions | None, tp: int = 1) -> str:
     """``engine_clock``: wall | thread | auto (thread for the CPU engine on one torch thread, else wall). thread
-    needs that CPU setting."""
+    needs that CPU setting, and one rank (``tp`` > 1: a rank's thread time leaves out its waits for the others)."""
     clock = check_choice(clock or "auto", "engine_clock", ENGINE_CLOCKS)
-    one_cpu_thread = engine is not None and engine.device == "cpu" and engine.num_threads == 1
+    one_cpu_thread = engine is not None and engine.device == "cpu" and engine.num_threads == 1 and tp == 1
     if clock == "auto":
         return "thread" if one_cpu_thread else "wall"
     if clock == "thread" and engine is not None and not one_cpu_thread:
-        raise ValueError(f"engine_clock=thread needs backend.device=cpu and backend.num_threads=1, got "
-                         f"device={engine.device!r} num_threads={engine.num_threads!r}; or set engine_clock=wall")
+        raise ValueError(f"engine_clock=thread needs backend.device=cpu, backend.num_threads=1 and parallel.tp=1, "
+                         f"got device={engine.device!r} num_threads={engine.num_threads!r} tp={tp}; or set "
+                         "engine_clock=wall")
     return clock
 
 

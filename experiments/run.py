@@ -60,6 +60,9 @@ def run(cfg: DictConfig | RunConfig, out_dir: str | Path, make_executors: MakeEx
                                         itl_pool=partial.itl_pool), out_dir,
                           backend_label, note, run_status=INTERRUPTED, plots=False, pd=pd_loop(loop))
         raise
+    finally:
+        for ex in loop.executors:  # the engine's tensor-parallel ranks
+            getattr(ex, "close", lambda: None)()
     return finish_run(rc, loop, result, out_dir, backend_label)
 
 
@@ -139,6 +142,8 @@ def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backen
         metrics["pd"] = pd_metrics(run, pd)
     if label == "engine":
         metrics["engine_clock"] = run.engine_clock
+    if parallel_columns(run):
+        metrics["parallel"] = asdict(run.parallel)
     timing = {"wall_s": result.wall_s,
               "sim_s_per_wall_s": result.end_s / result.wall_s if result.wall_s > 0 else None}
     files: dict[str, str] = {"config.yaml": config_yaml(run.config)}
@@ -149,7 +154,8 @@ def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backen
     out = Path(out_dir)
     write_run(out, result.states, result.steps, metrics, files, timing=timing, run_status=run_status,
               file_format=run.output.format, tokens=run.output.tokens,
-              extra_request_columns=pd.request_columns() if pd is not None else None)
+              extra_request_columns=pd.request_columns() if pd is not None else None,
+              extra_step_columns=parallel_columns(run))
     draw = run.output.plots if plots is None else plots
     if draw == "auto":
         draw = len(result.states) <= PLOTS_AUTO_MAX_REQUESTS
@@ -158,6 +164,13 @@ def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backen
 
         plotting.plot_run(out)
     return metrics
+
+
+def parallel_columns(run: RunConfig) -> dict[str, int] | None:
+    """steps.csv's ``tp`` and ``ep`` columns (and metrics.json's ``parallel`` section) of a run over several
+    tensor- or expert-parallel ranks; none for one device, whose files stay as they were."""
+    p = run.parallel
+    return {"tp": p.tp, "ep": p.ep} if p.tp * p.ep > 1 else None
 
 
 def pd_metrics(run: RunConfig, loop: PDServingLoop) -> dict[str, Any]:

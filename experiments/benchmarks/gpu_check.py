@@ -6,11 +6,16 @@ under 10 minutes on one H100/H200, that writes one report (DIR/report.md and DIR
    cuBLAS), the MoE grouped GEMM vs a loop of per-expert cuBLAS matmuls (Qwen3-30B-A3B and Mixtral-8x7B experts,
    TFLOP/s), decode steps as % of the bandwidth roofline, prefill MFU, W4A16 and int8-KV speed-ups measured vs
    predicted;
-3. a calibration profile: the simulator's linear step-cost model fitted on the benchmark's steps (steps.csv).
+3. a calibration profile: the simulator's linear step-cost model fitted on the benchmark's steps (steps.csv);
+4. tensor parallelism over NCCL (experiments.benchmarks.tp, two GPUs): TP 2 vs TP 1 step times and tokens of a
+   small Llama, and of a small Qwen3-MoE with its experts split (ep 2) on the Triton grouped GEMM; ``skipped`` on
+   a machine with one GPU. (The GPU tests of 1. check the engine's MoE layers on the grouped GEMM against the
+   torch path's tokens, and TP 2 over NCCL against one GPU's, where two GPUs exist.)
 
 Each section runs on its own: one that fails (or runs out of its time) is reported with its error and the rest still
-run. Without CUDA nothing runs: the report says "no GPU" and the command exits with status 2 (a machine that cannot
-check is not a passing check). Exit status 1 when any test or section failed, 0 when all passed.
+run; a ``skipped`` section (not this machine's to check) does not fail the check. Without CUDA nothing runs: the
+report says "no GPU" and the command exits with status 2 (a machine that cannot check is not a passing check).
+Exit status 1 when any test or section failed, 0 when all passed.
 """
 
 from __future__ import annotations
@@ -152,6 +157,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+class Skipped(Exception):
+    """A section this machine cannot run (e.g. TP on one GPU): reported, not a failure."""
+
+
+def run_tp(out: Path, quick: bool) -> dict:
+    """TP 1 vs TP 2 over NCCL on GPUs 0 and 1 (a dense and an expert-parallel MoE model), tokens compared."""
+    import torch
+
+    from experiments.benchmarks.tp import main as bench
+
+    if torch.cuda.device_count() < 2:
+        raise Skipped(f"tensor parallelism needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    base = ["--device", "cuda", "--kernels", "triton", "--tp", "1,2", "--repeats", "2" if quick else "3",
+            "--batch", "8" if quick else "32", "--threads", "1"]
+    return {"llama": bench(base), "qwen3_moe_ep2": bench([*base, "--arch", "qwen3_moe", "--ep", "2"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/gpu_check")
@@ -178,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         "tests": lambda: run_tests(out, args.test_timeout),
         "bench": lambda: run_bench(out, args.model, hardware, args.quick),
         "calibration": lambda: run_calibration(out),
+        "tp": lambda: run_tp(out, args.quick),
     }
     for name, fn in sections.items():
         s0 = time.perf_counter()
         try:
             sec = {"status": "ok", "result": fn()}
+        except Skipped as e:
+            sec = {"status": "skipped", "error": str(e)}
         except BaseException as e:  # noqa: BLE001 - keep every other section's result
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -193,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         # Written after every section: a check stopped by an outer time limit still leaves what it measured.
         tests = report["sections"]["tests"]
         tests_ok = tests["status"] == "ok" and tests["result"]["returncode"] == 0
-        report["ok"] = tests_ok and all(s["status"] == "ok" for s in report["sections"].values())
+        report["ok"] = tests_ok and all(s["status"] in ("ok", "skipped") for s in report["sections"].values())
         report["seconds"] = time.perf_counter() - t0
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
         (out / "report.md").write_text(markdown(report))
