@@ -31,6 +31,7 @@ USER_ERRORS = (ValueError, OmegaConfBaseException, FileNotFoundError)
 COMMANDS = {
     "run": "experiments.run", "estimate": "experiments.estimate",
     "serve": "experiments.serving.serve", "loadgen": "experiments.serving.loadgen.run",
+    "gateway": "experiments.serving.gateway.main",
     "calibrate": "experiments.calibration.calibrate", "compare": "experiments.calibration.compare",
     "pipeline": "experiments.calibration.pipeline", "published": "experiments.calibration.published",
     "study": "experiments.studies.study", "capacity": "experiments.studies.capacity",

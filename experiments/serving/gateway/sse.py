@@ -1,0 +1,61 @@
+"""Reading an OpenAI server-sent-event stream as it passes through: complete events out, tokens and usage counted."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from experiments.serving.loadgen.client import _tokens_in_chunk
+
+
+@dataclass
+class SSEReader:
+    """Feed raw bytes; ``feed`` returns the complete events (``\\n\\n``-terminated) to pass on, and the output tokens
+    they carry. Also kept: the usage block, whether a finish_reason / ``[DONE]`` / an error object was seen."""
+
+    buffer: bytes = b""
+    done: bool = False
+    finished: bool = False
+    error: str | None = None
+    usage: dict | None = None
+
+    def feed(self, chunk: bytes) -> tuple[bytes, int]:
+        self.buffer += chunk
+        cut = self.buffer.rfind(b"\n\n")
+        if cut < 0:
+            return b"", 0
+        out, self.buffer = self.buffer[:cut + 2], self.buffer[cut + 2:]
+        tokens = 0
+        for line in out.split(b"\n"):
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if obj.get("error"):
+                err = obj["error"]
+                self.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            for choice in obj.get("choices") or ():
+                tokens += _tokens_in_chunk(choice)
+                self.finished = self.finished or choice.get("finish_reason") is not None
+            if obj.get("usage"):
+                self.usage = obj["usage"]
+        return out, tokens
+
+    @property
+    def complete(self) -> bool:
+        return self.error is None and (self.done or self.finished)
+
+
+def error_event(message: str, kind: str = "server_error", code: int = 502) -> bytes:
+    """An OpenAI-style error object as one SSE event, then ``[DONE]``."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
