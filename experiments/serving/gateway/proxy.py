@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -81,11 +82,11 @@ class Gateway:
                 web.get("/metrics", self.prometheus)]
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time() - self._t0
+        return time.monotonic() - self._t0
 
     # ---- lifecycle and polling ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._t0 = asyncio.get_running_loop().time()
+        self._t0 = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s, sock_read=self.cfg.timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                              cookie_jar=aiohttp.DummyCookieJar())
