@@ -41,6 +41,7 @@ COMMANDS = {
     "bench_moe": "experiments.benchmarks.moe",
     "bench_gpu": "experiments.benchmarks.gpu", "bench_serve": "experiments.benchmarks.serve",
     "bench_loadgen": "experiments.benchmarks.loadgen", "gpu_check": "experiments.benchmarks.gpu_check",
+    "bench_gateway": "experiments.benchmarks.gateway",
     "tiny_checkpoint": "experiments.benchmarks.tiny_checkpoint", "fake_openai": "experiments.serving.fake_openai",
 }
 
