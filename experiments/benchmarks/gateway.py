@@ -52,10 +52,9 @@ class GatewayProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited: {(out.parent / f'{out.name}.log').read_text()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
             time.sleep(0.2)
         self.stop()
         raise RuntimeError("the gateway did not come up")
@@ -113,9 +112,10 @@ def simulate(router: str, sim_overrides: list[str], out: Path) -> dict[str, Any]
 def calibrate_linear(model_args: list[str], step_dirs: list[str], out: Path) -> Path:
     from experiments.calibration.calibrate import calibrate
 
+    steps = "calibrate.steps=[" + ",".join(f"'{d}'" for d in step_dirs) + "]"
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("calibrate", overrides=[*model_args, "calibrate.profile=false", "calibrate.fits=[linear]",
-                                              "calibrate.plot=false", "calibrate.steps=[" + ",".join(f"'{d}'" for d in step_dirs) + "]"])
+                                              "calibrate.plot=false", steps])
     return calibrate(cfg, out).paths["linear"]
 
 
