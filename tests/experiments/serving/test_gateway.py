@@ -195,9 +195,12 @@ def test_prefix_aware_sends_a_shared_prefix_where_it_is_cached(sims, tmp_path):
 def test_streaming_passes_chunk_by_chunk_and_whole_answers_pass_through(sims, tmp_path):
     prompt = list(range(500, 540))
     direct = post(sims[0].url, completion(prompt, n=12))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with gateway([sims[0].url], tmp_path) as (url, _):
         status, events, times = post(url, completion(prompt, n=12))
         whole = post(url, completion(prompt, n=12, stream=False))
+        refused = post(url, chat, path="/v1/chat/completions")  # the sim server has no chat template: its 400
+    assert refused == post(sims[0].url, chat, path="/v1/chat/completions") and refused[0] == 400
     assert status == 200 and len(events) == len(direct[1]) == 12 + 3  # 12 token chunks, the finish, usage, [DONE]
     assert [e["choices"][0]["finish_reason"] for e in events[:13]] == [None] * 12 + ["length"]
     assert events[-2]["usage"] == direct[1][-2]["usage"]
