@@ -100,13 +100,16 @@ def measure(router: str, ckpt: str, server_args: list[str], load_cfg: Any, out: 
 
 
 def simulate(router: str, sim_overrides: list[str], out: Path) -> dict[str, Any]:
+    from core.output import read_requests
     from experiments.run import run
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*sim_overrides, f"router={router}"])
     m = run(cfg, out)
+    replica = read_requests(out / "requests.csv")["replica"]
     return {"hit_rate": m["cached_tokens"] / max(m["prompt_tokens"], 1), "ttft_mean_s": m["ttft_s"]["mean"],
-            "ttft_p50_s": m["ttft_s"]["p50"], "ttft_p99_s": m["ttft_s"]["p99"], "completed": m["num_completed"]}
+            "ttft_p50_s": m["ttft_s"]["p50"], "ttft_p99_s": m["ttft_s"]["p99"], "completed": m["num_completed"],
+            "requests_per_backend": {f"b{i}": int((replica == i).sum()) for i in range(2)}}
 
 
 def calibrate_linear(model_args: list[str], step_dirs: list[str], out: Path) -> Path:
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for router in ROUTERS:
         for k, r in enumerate(measured[router]):
             print(_row(f"measured {router} #{k}", r), f"  per backend {r['requests_per_backend']}")
-        print(_row(f"simulated {router}", simulated[router]))
+        sim = simulated[router]
+        print(_row(f"simulated {router}", sim), f"  per backend {sim['requests_per_backend']}")
     out: dict[str, Any] = {"measured": measured, "simulated": simulated}
     for side, runs in (("measured", {r: v[-1] for r, v in measured.items()}), ("simulated", simulated)):
         rr, pa = runs["round_robin"], runs["prefix_aware"]
