@@ -144,6 +144,18 @@ def test_prompt_keys_ids_text_proxy_and_chat():
     assert prompt_keys({"prompt": 3}, False, None) == ()  # unreadable: the backend answers it
 
 
+def test_text_prompts_and_messages_go_through_the_backends_tokenizer(tmp_path):
+    from tests.engine.checkpoints import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path / "tok")
+    gw, _ = build_gateway(config(["http://127.0.0.1:9"], tokenizer=str(tmp_path / "tok")), tmp_path / "out")
+    tok = gw.tokenizers[str(tmp_path / "tok")]
+    assert prompt_keys({"prompt": "w5 w6 w7"}, False, tok) == tuple(tok.encode("w5 w6 w7"))
+    messages = [{"role": "user", "content": "w9 w10"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert prompt_keys({"messages": messages}, True, tok) == tuple(ids if isinstance(ids, list) else ids["input_ids"])
+
+
 def test_scraped_metrics_of_vllm_and_ours():
     vllm = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
