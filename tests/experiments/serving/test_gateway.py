@@ -298,20 +298,28 @@ def test_a_client_disconnect_cancels_upstream(sims, tmp_path):
 
 # ---- the run files and the command ---------------------------------------------------------------------------------
 def test_run_files_snapshot_while_serving_and_complete_at_shutdown(sims, tmp_path):
-    with gateway([s.url for s in sims], tmp_path, flush_interval_s=0.2) as (url, _):
+    from experiments.calibration.compare import _request_list
+    from experiments.studies.sweep_report import collect
+
+    out = tmp_path / "runs" / "0"
+    with gateway([s.url for s in sims], out, flush_interval_s=0.2) as (url, _):
         for i in range(3):
             post(url, completion(PREFIX + [i], n=2), rid=f"q{i}")
         time.sleep(0.5)
-        snapshot = read_metrics(tmp_path / "metrics.json")
-        partial = read_requests(tmp_path / "requests.csv.partial")
+        snapshot = read_metrics(out / "metrics.json")
+        partial = read_requests(out / "requests.csv.partial")
     assert snapshot["run_status"] == "running" and len(partial["id"]) == 3
-    metrics = read_metrics(tmp_path / "metrics.json")
+    metrics = read_metrics(out / "metrics.json")
     assert metrics["run_status"] == "complete" and metrics["num_completed"] == 3
-    reqs = read_requests(tmp_path / "requests.csv")
+    reqs = read_requests(out / "requests.csv")
     assert list(reqs["backend"]) == ["b0", "b1", "b0"] and list(reqs["replica"]) == [0, 1, 0]
-    assert read_tokens(tmp_path / "tokens.csv")["num_tokens"].sum() == 6
+    assert read_tokens(out / "tokens.csv")["num_tokens"].sum() == 6
     assert metrics["backend_metrics"]["b0"]["prefix_cache_queries_total"] > 0  # the last scrape of each backend
-    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob(".writing-*"))
+    assert not list(out.glob("*.partial")) and not list(out.glob(".writing-*"))
+    # what compare (a measured run's request list) and sweep_report (complete jobs) read
+    assert (out / "config.yaml").is_file() and _request_list(out).read_text().count("\n") == 4
+    [(_, job)] = collect(tmp_path / "runs")
+    assert job["num_completed"] == 3
 
 
 @pytest.mark.slow
