@@ -302,7 +302,9 @@ def test_run_files_snapshot_while_serving_and_complete_at_shutdown(sims, tmp_pat
     from experiments.studies.sweep_report import collect
 
     out = tmp_path / "runs" / "0"
-    with gateway([s.url for s in sims], out, flush_interval_s=0.2) as (url, _):
+    with gateway([s.url for s in sims], out, flush_interval_s=0.2) as (url, gw):
+        # our server shows its pool as vLLM does (cache_config_info): the index is sized to it
+        assert [(b.block_size, b.num_blocks, b.index.capacity) for b in gw.backends] == [(16, 256, 256)] * 2
         for i in range(3):
             post(url, completion(PREFIX + [i], n=2), rid=f"q{i}")
         time.sleep(0.5)
