@@ -174,14 +174,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sim = simulated[router]
         print(_row(f"simulated {router}", sim), f"  per backend {sim['requests_per_backend']}")
     out: dict[str, Any] = {"measured": measured, "simulated": simulated}
-    for side, runs in (("measured", {r: v[-1] for r, v in measured.items()}), ("simulated", simulated)):
-        rr, pa = runs["round_robin"], runs["prefix_aware"]
+    pairs = [(f"measured #{k}", rr, pa) for k, (rr, pa) in enumerate(zip(measured["round_robin"],
+                                                                          measured["prefix_aware"], strict=True))]
+    for label, rr, pa in [*pairs, ("simulated", simulated["round_robin"], simulated["prefix_aware"])]:
         win = {"hit_rate_gain": pa["hit_rate"] - rr["hit_rate"],
                "ttft_mean_ratio": pa["ttft_mean_s"] / rr["ttft_mean_s"],
                "ttft_p50_ratio": pa["ttft_p50_s"] / rr["ttft_p50_s"]}
-        out[f"{side}_win"] = win
-        print(f"{side:>9} prefix_aware vs round_robin: hit rate {win['hit_rate_gain']:+.1%} points, TTFT mean x"
-              f"{win['ttft_mean_ratio']:.2f}, p50 x{win['ttft_p50_ratio']:.2f}")
+        out[f"{label} win"] = win
+        print(f"{label:>12} prefix_aware vs round_robin: hit rate {100 * win['hit_rate_gain']:+.1f} points, "
+              f"TTFT mean x{win['ttft_mean_ratio']:.2f}, p50 x{win['ttft_p50_ratio']:.2f}")
     return out
 
 
