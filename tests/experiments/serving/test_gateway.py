@@ -307,9 +307,12 @@ def test_run_files_snapshot_while_serving_and_complete_at_shutdown(sims, tmp_pat
         assert [(b.block_size, b.num_blocks, b.index.capacity) for b in gw.backends] == [(16, 256, 256)] * 2
         for i in range(3):
             post(url, completion(PREFIX + [i], n=2), rid=f"q{i}")
-        time.sleep(0.5)
+        deadline, partial = time.monotonic() + 20, {"id": []}  # a snapshot with all 3 (slow on a busy box)
+        while time.monotonic() < deadline and len(partial["id"]) < 3:
+            time.sleep(0.05)
+            with contextlib.suppress(FileNotFoundError):
+                partial = read_requests(out / "requests.csv.partial")
         snapshot = read_metrics(out / "metrics.json")
-        partial = read_requests(out / "requests.csv.partial")
     assert snapshot["run_status"] == "running" and len(partial["id"]) == 3
     metrics = read_metrics(out / "metrics.json")
     assert metrics["run_status"] == "complete" and metrics["num_completed"] == 3
