@@ -88,7 +88,8 @@ def test_the_engine_refuses_what_it_cannot_store():
 COMMAND_LINES = [[sys.executable, "-m", f"experiments.{name}", "--help"] for name in
                  ("run", "estimate", "calibrate", "compare", "capacity", "pipeline", "study", "quant_study",
                   "quant_quality", "serve", "loadgen", "published", "sweep_report", "tiny_checkpoint", "fake_openai",
-                  "bench_sim", "bench_engine", "bench_moe", "bench_gpu", "bench_serve", "bench_loadgen", "gpu_check")]
+                  "bench_sim", "bench_engine", "bench_moe", "bench_gpu", "bench_serve", "bench_loadgen", "gpu_check",
+                  "gateway", "bench_gateway")]
 
 
 @pytest.mark.parametrize("cmd", COMMAND_LINES, ids=[c[2] for c in COMMAND_LINES])
