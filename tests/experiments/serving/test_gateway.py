@@ -156,6 +156,21 @@ def test_text_prompts_and_messages_go_through_the_backends_tokenizer(tmp_path):
     assert prompt_keys({"messages": messages}, True, tok) == tuple(ids if isinstance(ids, list) else ids["input_ids"])
 
 
+@pytest.mark.parametrize("gateway_cfg, message", [
+    ({"backends": []}, "gateway.backends is empty"),
+    ({"backends": [{"url": "http://a:1", "bogus": 1}]}, r"gateway.backends\[0\]: unknown keys \['bogus'\]"),
+    ({"backends": ["ftp://a"]}, "url must be an http"),
+    ({"backends": [{"url": "http://a:1", "name": "x"}, {"url": "http://b:1", "name": "x"}]}, "names must be unique"),
+    ({"backends": ["http://a:1"], "timeout_s": 0}, "gateway.timeout_s"),
+    ({"backends": ["http://a:1"], "colour": 1}, r"gateway: unknown keys \['colour'\]"),
+])
+def test_bad_gateway_config_is_a_one_line_error_naming_the_key(gateway_cfg, message):
+    from experiments.serving.gateway.config import GatewayConfig
+
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig.from_config(gateway_cfg)
+
+
 def test_scraped_metrics_of_vllm_and_ours():
     vllm = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
