@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from experiments.serving.loadgen.client import _tokens_in_chunk
 
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # what ends an SSE event (servers built on sse-starlette send CRLF)
+
 
 @dataclass
 class SSEReader:
-    """Feed raw bytes; ``feed`` returns the complete events (``\\n\\n``-terminated) to pass on, and the output tokens
-    they carry. Also kept: the usage block, whether a finish_reason / ``[DONE]`` / an error object was seen."""
+    """Feed raw bytes; ``feed`` returns the complete events (ended by a blank line: LF or CRLF) to pass on, and the
+    output tokens they carry. Also kept: the usage block, whether a finish_reason / ``[DONE]`` / an error was seen."""
 
     buffer: bytes = b""
     done: bool = False
@@ -21,10 +23,10 @@ class SSEReader:
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         self.buffer += chunk
-        cut = self.buffer.rfind(b"\n\n")
-        if cut < 0:
+        cut = max((i + len(sep) for sep in EVENT_ENDS if (i := self.buffer.rfind(sep)) >= 0), default=0)
+        if not cut:
             return b"", 0
-        out, self.buffer = self.buffer[:cut + 2], self.buffer[cut + 2:]
+        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
         tokens = 0
         for line in out.split(b"\n"):
             line = line.strip()

@@ -171,6 +171,18 @@ def test_bad_gateway_config_is_a_one_line_error_naming_the_key(gateway_cfg, mess
         GatewayConfig.from_config(gateway_cfg)
 
 
+@pytest.mark.parametrize("nl", [b"\n", b"\r\n"])
+def test_sse_reader_passes_complete_events_and_counts_tokens(nl):
+    from experiments.serving.gateway.sse import SSEReader
+
+    event = b'data: {"choices": [{"text": "a", "finish_reason": null}]}' + nl + nl
+    last = b'data: {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 2}}' + nl + nl
+    sse = SSEReader()
+    assert sse.feed(event + event[:10]) == (event, 1)  # a partial event waits for its end
+    assert sse.feed(event[10:] + last + b"data: [DONE]" + nl + nl) == (event + last + b"data: [DONE]" + nl + nl, 1)
+    assert sse.complete and sse.usage == {"completion_tokens": 2}
+
+
 def test_scraped_metrics_of_vllm_and_ours():
     vllm = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
