@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core.prompt import block_hashes
@@ -41,7 +41,7 @@ def messages_text(messages: Sequence[Any]) -> str:
     return "\n".join(parts)
 
 
-def prompt_keys(body: dict[str, Any], chat: bool, tokenizer: Any | None) -> tuple[int, ...]:
+def prompt_keys(body: Mapping[str, Any], chat: bool, tokenizer: Any | None) -> tuple[int, ...]:
     """The keys of a request body's prompt (empty when it has none the gateway can read: the backend decides)."""
     if chat:
         messages = body.get("messages")

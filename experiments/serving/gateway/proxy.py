@@ -164,26 +164,23 @@ class Gateway:
         if not free:
             raise GatewayError(f"every backend is saturated ({len(healthy)} in rotation, each at its max_in_flight "
                                "or answering 429); retry later", 429, "rate_limit_error")
-        keys: dict[int, tuple[int, ...]] = {}  # by tokenizer (its id), then hashes by (tokenizer, block size)
+        keys: dict[int, tuple[int, ...]] = {}  # by tokenizer (its id); hashes by (tokenizer, block size)
         hashes: dict[tuple[int, int], list[int]] = {}
-        views = []
+        views, chains = [], []
         for pos, i in enumerate(free):
             b = self.backends[i]
             tok = self.tokenizers.get(b.spec.tokenizer or self.cfg.tokenizer or "")
-            k = keys.setdefault(id(tok), prompt_keys(dict(body), chat, tok))
-            h = hashes.setdefault((id(tok), b.block_size), key_hashes(k, b.block_size))
-            views.append(b.view(pos, h, now))
+            k = keys.setdefault(id(tok), prompt_keys(body, chat, tok))
+            chains.append(hashes.setdefault((id(tok), b.block_size), key_hashes(k, b.block_size)))
+            views.append(b.view(pos, chains[-1], now))
             out.prompt_len = max(out.prompt_len, len(k))
         req = Request(out.id, max(now, 0.0), max(out.prompt_len, 1), out.max_tokens)
         pos = self.router.route(req, views)
         if not isinstance(pos, int) or not 0 <= pos < len(views):
             raise GatewayError(f"router {self.router_name} returned {pos!r}, not an index below {len(views)}",
                                500, "server_error")
-        i = free[pos]
-        b = self.backends[i]
-        tok = self.tokenizers.get(b.spec.tokenizer or self.cfg.tokenizer or "")
-        self.metrics.decisions.labels(self.router_name, b.name).inc()
-        return i, hashes[(id(tok), b.block_size)]
+        self.metrics.decisions.labels(self.router_name, self.backends[free[pos]].name).inc()
+        return free[pos], chains[pos]
 
     # ---- generation --------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -244,7 +241,7 @@ class Gateway:
                 return e.response()
             tried.add(i)
             b = self.backends[i]
-            out.backend, out.backend_name, out.sent_s = i, b.name, self.now()
+            out.backend, out.backend_name, out.sent_s, out.reason = i, b.name, self.now(), ""
             cached = b.index.match(hashes, out.sent_s) * b.block_size
             key = (id(out), i)  # not the request id: a client may send the same X-Request-Id twice
             b.flights[key] = flight = Flight(out.prompt_len, out.max_tokens, cached)
