@@ -55,7 +55,7 @@ REQUEST_COLUMNS = ("id", "replica", "tenant", "arrival_s", "first_scheduled_s", 
                    "prompt_tokens", "output_tokens", "cached_tokens", "num_preemptions", "status", "ttft_s", "tpot_s",
                    "e2e_s", "max_stall_s", "reason", "warmup")
 TOKEN_COLUMNS = ("request_id", "index", "time_s", "num_tokens")  # index: the event's position in its response
-_STR_COLUMNS = ("id", "tenant", "status", "reason", "request_id")
+_STR_COLUMNS = ("id", "tenant", "status", "reason", "request_id", "backend")  # backend: the gateway's
 
 COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"  # metrics.json's run_status
 FAILED = "failed"  # the run ended, but too many of its requests failed (a load test: target.max_failed_share)

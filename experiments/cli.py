@@ -32,6 +32,7 @@ COMMANDS = {
     "run": "experiments.run", "estimate": "experiments.estimate",
     "serve": "experiments.serving.serve", "loadgen": "experiments.serving.loadgen.run",
     "recover": "experiments.serving.recover",
+    "gateway": "experiments.serving.gateway.main",
     "calibrate": "experiments.calibration.calibrate", "compare": "experiments.calibration.compare",
     "pipeline": "experiments.calibration.pipeline", "published": "experiments.calibration.published",
     "study": "experiments.studies.study", "capacity": "experiments.studies.capacity",
@@ -42,6 +43,7 @@ COMMANDS = {
     "bench_gpu": "experiments.benchmarks.gpu", "bench_serve": "experiments.benchmarks.serve",
     "bench_loadgen": "experiments.benchmarks.loadgen", "bench_soak": "experiments.benchmarks.soak",
     "gpu_check": "experiments.benchmarks.gpu_check",
+    "bench_gateway": "experiments.benchmarks.gateway",
     "tiny_checkpoint": "experiments.benchmarks.tiny_checkpoint", "fake_openai": "experiments.serving.fake_openai",
 }
 

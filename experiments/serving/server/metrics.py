@@ -20,10 +20,16 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], object]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], object],
+                 cache_config: tuple[int, int] | None = None) -> None:
+        """``cache_config``: (block size, KV blocks over all replicas), shown as vLLM's ``cache_config_info``
+        labels (a router in front, e.g. experiments.gateway, sizes its prefix index from them)."""
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name}
         r = self.registry
+        if cache_config is not None:
+            Gauge("twinserve:cache_config_info", "The KV cache's configuration (labels).",
+                  ["block_size", "num_gpu_blocks"], registry=r).labels(*map(str, cache_config)).set(1)
 
         def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
             g = Gauge(f"twinserve:{name}", doc, list(labels), registry=r).labels(**labels)

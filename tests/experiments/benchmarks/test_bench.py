@@ -127,3 +127,13 @@ def test_moe_engine_vs_transformers():
     for b in (1, 8, 32):
         r = out[f"batch_{b}"]
         print(f"MoE batch {b}: engine / transformers throughput {r['speedup_vs_hf']:.2f}x")
+
+
+@pytest.mark.bench
+def test_gateway_prefix_aware_vs_round_robin_measured_and_simulated():
+    from experiments.benchmarks.gateway import main
+
+    out = main(["--groups", "8", "--requests", "96", "--rate", "3", "--blocks", "80"])
+    for side in ("measured #0 win", "simulated win"):
+        print(f"{side}: {out[side]}")
+    assert out["measured"]["round_robin"][0]["completed"] == 96
