@@ -113,10 +113,11 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
         sampling = [rid for rid in out.num_scheduled_tokens if not sched.requests[rid].is_prefill_chunk]
         rec = step_record(dict(out.num_scheduled_tokens), out.preempted_req_ids, [])
         in_flight.append((out, sampling, k))
-        if not run.get("overlap") or len(in_flight) == 2 or not out.total_num_scheduled_tokens:
-            finished = apply(*in_flight.pop(0))
-            if finished and not run.get("overlap"):
-                rec["f"] = sorted(finished)
+        finished = []
+        while in_flight and (not run.get("overlap") or len(in_flight) == 2 or not out.total_num_scheduled_tokens):
+            finished += apply(*in_flight.pop(0))  # an empty step: nothing to overlap with, drain the queue
+        if finished:
+            rec["f"] = sorted(finished)
         steps.append(rec)
         k += 1
         if k > 5000:
