@@ -63,9 +63,9 @@ def choose(overrides: Sequence[str]) -> PluginChoice:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from core.checks import check_int
     from experiments.build import instantiate_group
     from experiments.config import CONF_DIR, LIMIT_KEYS, plain
-    from core.checks import check_int
 
     check_overrides(overrides)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):

@@ -30,7 +30,8 @@ def refused_features(vllm_config: Any, kv_cache_config: Any) -> list[str]:
         (getattr(model, "runner_type", "generate") != "generate", f"the {getattr(model, 'runner_type', '')!r} runner "
                                                                   "(pooling models)"),
         (vllm_config.kv_transfer_config is not None, "KV connectors (--kv-transfer-config: P/D, offloading)"),
-        (getattr(vllm_config, "ec_transfer_config", None) is not None, "encoder-cache connectors (--ec-transfer-config)"),
+        (getattr(vllm_config, "ec_transfer_config", None) is not None,
+         "encoder-cache connectors (--ec-transfer-config)"),
         (vllm_config.lora_config is not None, "LoRA (--enable-lora)"),
         (parallel.pipeline_parallel_size > 1, "pipeline parallelism (--pipeline-parallel-size > 1)"),
         (getattr(parallel, "decode_context_parallel_size", 1) > 1

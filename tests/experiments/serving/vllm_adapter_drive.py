@@ -140,7 +140,7 @@ def replay(seeds: list[int], model_dir: str) -> dict[str, Any]:
         got = drive({"cls": "adapter", "overrides": overrides, "config": cfg, "requests": requests,
                      "token": lambda rid, pos, s=stream, ix=index: sampled_token(s, ix[rid], pos)}, model_dir)
         want = stream["steps"]
-        diff = next((i for i, (a, b) in enumerate(zip(got["steps"], want)) if a != b), None)
+        diff = next((i for i, (a, b) in enumerate(zip(got["steps"], want, strict=False)) if a != b), None)
         if diff is None and len(got["steps"]) != len(want):
             diff = min(len(got["steps"]), len(want))
         result[str(stream["seed"])] = None if diff is None else {
