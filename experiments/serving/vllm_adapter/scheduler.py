@@ -41,13 +41,14 @@ READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 class TwinserveScheduler(AsyncScheduler):
     """vLLM's scheduler with a twinserve plugin deciding each step (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        check_supported(self.vllm_config, self.kv_cache_config)
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        check_supported(vllm_config, kv_cache_config)  # first: vLLM's own setup of a refused feature may fail oddly
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         choice = choose_from(additional_config=self.vllm_config.additional_config)
         self.plugin = choice.scheduler
         self.limits = self._limits(choice)
         self._mirrors: dict[str, RequestState] = {}
+        self._unannounced: dict[str, Admission] = {}  # admitted, not yet sent to the model runner (no chunk yet)
         logger.info("twinserve scheduler %s (overrides %s): max_num_batched_tokens=%d max_num_seqs=%d",
                     choice.name, list(choice.overrides) or "none", self.limits.max_num_batched_tokens,
                     self.limits.max_num_seqs)
@@ -75,6 +76,7 @@ class TwinserveScheduler(AsyncScheduler):
     def _free_blocks(self, request: Any) -> None:
         super()._free_blocks(request)
         self._mirrors.pop(request.request_id, None)
+        self._unannounced.pop(request.request_id, None)
 
     def _mirror(self, req: Any) -> RequestState:
         """The plugin's view of one vLLM request, brought up to date (outputs include in-flight placeholders)."""
@@ -113,7 +115,7 @@ class TwinserveScheduler(AsyncScheduler):
         running = [self._mirror(r) for r in self.running if self._schedulable(r)]
         waiting = deque(self._mirror(r) for r in (*self.kv_holding_waiting, *self.waiting) if self._ready(r))
         view = VllmSchedulerView(self, self.limits, time.time(), timestamp, running, waiting,
-                                 self.requests, self._pause_state == PauseState.UNPAUSED)
+                                 self.requests, self._pause_state == PauseState.UNPAUSED, self._unannounced)
         batch = Batch() if self._pause_state == PauseState.PAUSED_ALL else self.plugin.schedule(view)
         self._check(batch, view)
         if batch.empty and not self.running and view.waiting and self._pause_state == PauseState.UNPAUSED:
@@ -140,8 +142,6 @@ class TwinserveScheduler(AsyncScheduler):
             if ch.start != req.num_computed_tokens or held < ch.end:
                 raise RuntimeError(f"{name}: request {rid} scheduled tokens [{ch.start}, {ch.end}) with "
                                    f"{req.num_computed_tokens} computed and KV for {held}")
-        if set(view.admitted) - seen:
-            raise RuntimeError(f"{name}: admitted {sorted(set(view.admitted) - seen)} without scheduling them")
 
     def _admitted(self, adm: Admission, num_tokens: int, timestamp: float) -> None:
         """The bookkeeping vLLM's scheduler does for a request it admits: prefix-cache and prefill stats, events."""
@@ -165,7 +165,7 @@ class TwinserveScheduler(AsyncScheduler):
         for ch in batch.chunks:
             rid = ch.state.id
             num_scheduled[rid] = ch.num_tokens
-            adm = view.admitted.get(rid)
+            adm = view.admitted.pop(rid, None)  # its first chunk: the model runner learns of it now
             if adm is None:
                 running_reqs.append(self.requests[rid])
                 req_to_new_blocks[rid] = view.new_blocks.get(rid, kv.empty_kv_cache_blocks)

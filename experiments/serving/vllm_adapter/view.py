@@ -35,7 +35,8 @@ class VllmSchedulerView:
     (an async step whose in-flight outputs already reach max_tokens; a waiting request that is not ready)."""
 
     def __init__(self, sched: Any, limits: SchedulerLimits, now: float, timestamp: float, running: list[RequestState],
-                 waiting: deque[RequestState], requests: dict[str, Any], may_admit: bool) -> None:
+                 waiting: deque[RequestState], requests: dict[str, Any], may_admit: bool,
+                 admitted: dict[str, Admission]) -> None:
         self._sched, self._kv = sched, sched.kv_cache_manager
         self.now, self.limits = now, limits  # now: wall clock, as vLLM's arrival_time
         self._timestamp = timestamp  # vLLM's event clock (time.monotonic)
@@ -45,7 +46,9 @@ class VllmSchedulerView:
         self.blocked: RequestState | None = None
         self._requests = requests  # id -> vLLM Request, for the mirrors in running / waiting
         self._may_admit = may_admit  # False while vLLM is paused for new requests
-        self.admitted: dict[str, Admission] = {}
+        # running requests vLLM's model runner has not seen yet (admitted, no chunk so far: a plugin may admit more
+        # requests than one step's budget prefills); kept by the adapter across steps
+        self.admitted = admitted
         self.new_blocks: dict[str, Any] = {}  # id -> KVCacheBlocks allocated this step for a running request
         self.preempted_requests: list[Any] = []
 

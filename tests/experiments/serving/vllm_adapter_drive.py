@@ -4,13 +4,16 @@ drives it -- ``schedule()``, then ``update_from_output()`` with a ``ModelRunnerO
 every request whose chunk completes its sequence. ``--overlap`` runs it as vLLM's batch queue does with async
 scheduling: step k+1 is scheduled before step k's output is applied.
 
-    .venv-vllm/bin/python tests/experiments/serving/vllm_adapter_drive.py < job.json > result.json
+    .venv-vllm/bin/python tests/experiments/serving/vllm_adapter_drive.py RESULT.json < job.json
 
 A job: ``{"runs": [{"cls": "own" | "own_async" | "adapter", "overrides": [...], "config": {...vLLM keys as in
 experiments/calibration/vllm_sched_trace.make_stream...}, "requests": [{"id", "arrival" (step), "prompt": [ids],
 "max_tokens", "priority"?}], "overlap": false}, ...]}`` or ``{"replay": [seeds]}`` (the recorded streams of
-tests/data/vllm_v1_decisions.json through the adapter with scheduler=vllm_v1). The result: per run the step records
-(``step_record``), each request's first-token and finish step, and its outputs.
+tests/data/vllm_v1_decisions.json through the adapter with scheduler=vllm_v1). The result (a JSON file): per run the
+step records (``step_record``), each request's first-token and finish step, its outputs and the prefix-cache hits;
+or ``{"error": message}`` when the scheduler refused to start. A run may ``inject`` refused features into vLLM's
+config (``{"speculative_config": true, "lora_config": true}``); a request with ``"json": true`` asks for structured
+output.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ SCHED_KEYS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_thre
 RECORDING = Path(__file__).resolve().parents[2] / "data" / "vllm_v1_decisions.json"
 
 
-def build(config: dict[str, Any], model_dir: str, cls: str, overrides: list[str]) -> tuple[Any, Any]:
+def build(config: dict[str, Any], model_dir: str, cls: str, overrides: list[str],
+          inject: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """(scheduler, block hasher) for ``config``, built as EngineCore builds them (one full-attention group)."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -49,6 +53,10 @@ def build(config: dict[str, Any], model_dir: str, cls: str, overrides: list[str]
     vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                     additional_config={"twinserve_scheduler": overrides} if cls == "adapter" else {})
     vc.cache_config.num_gpu_blocks = config["num_gpu_blocks"]
+    for key in inject or {}:  # refused features: the adapter's check runs before vLLM reads them
+        from types import SimpleNamespace
+
+        object.__setattr__(vc, key, SimpleNamespace(name=key))
     spec = FullAttentionSpec(block_size=config["block_size"], num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=config["num_gpu_blocks"], kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
@@ -69,11 +77,14 @@ def build(config: dict[str, Any], model_dir: str, cls: str, overrides: list[str]
 
 def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
     """One run to completion: step records, first-token and finish steps, outputs per request."""
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    sched, hasher = build(run["config"], model_dir, run["cls"], run.get("overrides", []))
+    try:
+        sched, hasher = build(run["config"], model_dir, run["cls"], run.get("overrides", []), run.get("inject"))
+    except ValueError as e:
+        return {"error": str(e)}
     pending = sorted(run["requests"], key=lambda r: r["arrival"])
     token = run.get("token", lambda rid, pos: 1 + (int(rid) * 37 + pos * 11) % 997 if rid.isdigit() else 7)
     steps: list[dict[str, Any]] = []
@@ -106,7 +117,8 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
     while pending or sched.get_num_unfinished_requests() or in_flight:
         while pending and pending[0]["arrival"] <= k:
             r = pending.pop(0)
-            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **r.get("params", {}))
+            so = StructuredOutputsParams(json={"type": "object"}) if r.get("json") else None
+            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, structured_outputs=so)
             sched.add_request(Request(r["id"], r["prompt"], params, None, arrival_time=float(r["arrival"]),
                                       priority=r.get("priority", 0), block_hasher=hasher))
         out = sched.schedule()
@@ -149,14 +161,14 @@ def replay(seeds: list[int], model_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    job = json.load(sys.stdin)
+    job, out = json.load(sys.stdin), Path(sys.argv[1])
     with tempfile.TemporaryDirectory() as model_dir:
         write_model_config(model_dir)
         if "replay" in job:
             result: Any = replay(job["replay"], model_dir)
         else:
             result = [drive(run, model_dir) for run in job["runs"]]
-    json.dump(result, sys.stdout)
+    out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
