@@ -226,14 +226,15 @@ def test_lpm_orders_by_vllms_prefix_cache_lookups(tmp_path):
     order = sorted(lpm["first_token_step"], key=lpm["first_token_step"].get)
     assert order == ["0", "2", "4", "1", "3"]
     assert sorted(sarathi["first_token_step"], key=sarathi["first_token_step"].get) == ["0", "1", "2", "3", "4"]
-    assert lpm["prefix_hits"] == 2 * 64 and sarathi["prefix_hits"] <= 2 * 64
+    assert lpm["prefix_hits"] == sarathi["prefix_hits"] == 2 * 64  # P's four blocks, twice, either order
     assert lpm == {**lpm, **{k: v for k, v in replica_run(config, requests, runs[0]["overrides"]).items()
                              if k == "first_token_step"}}
 
 
 def test_preemption_under_a_small_pool_recovers_every_request(tmp_path):
     """A pool of barely one request's lifetime: sarathi and priority preempt (recompute) and every request still
-    gets all its tokens, the same ones as with a roomy pool."""
+    gets all its tokens, the same ones as with a roomy pool (where sarathi never preempts; priority still may, for a
+    seat)."""
     _, requests = stream(3)
     lifetime = max(-(-(len(r["prompt"]) + r["max_tokens"] - 1) // 16) for r in requests)
     runs = []
@@ -248,17 +249,18 @@ def test_preemption_under_a_small_pool_recovers_every_request(tmp_path):
     for r in result:
         assert r["outputs"] == want and set(r["finish_step"]) == set(want)
     assert all(sum(len(s.get("p", ())) for s in r["steps"]) > 0 for r in result[:2])
-    assert all(not any("p" in s for s in r["steps"]) for r in result[2:])
+    assert not any("p" in s for s in result[2]["steps"])
 
 
 def test_refused_features_fail_at_start_naming_them(tmp_path):
     config, requests = burst()
-    base = {"cls": "adapter", "overrides": ["scheduler=sarathi"], "config": config, "requests": requests[:2]}
+    base = {"cls": "adapter", "overrides": ["scheduler=sarathi", *budgets(config)], "config": config,
+            "requests": requests[:2]}
     json_req = {**requests[2], "arrival": 0, "json": True}
     spec, lora, big, structured = drive({"runs": [
         {**base, "inject": {"speculative_config": True}},
         {**base, "inject": {"lora_config": True}},
-        {**base, "overrides": ["scheduler=sarathi", "scheduler.max_num_seqs=9"]},
+        {**base, "overrides": [*base["overrides"], "scheduler.max_num_seqs=9"]},
         {**base, "requests": [*requests[:2], json_req]}]}, tmp_path)
     assert "does not support: vLLM's speculative decoding (--speculative-config)" in spec["error"]
     assert "does not support: LoRA (--enable-lora)" in lora["error"]

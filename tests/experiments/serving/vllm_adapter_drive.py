@@ -91,6 +91,7 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
     first: dict[str, int] = {}
     done: dict[str, int] = {}
     outputs: dict[str, list[int]] = {}
+    hits = [0, 0]  # vLLM's prefix-cache stats, summed over the steps' SchedulerStats: (hit tokens, queried tokens)
     in_flight: list[tuple[Any, list[str], int]] = []  # (scheduler output, ids that sample, step)
 
     def apply(out: Any, sampling: list[str], k: int) -> list[str]:
@@ -104,6 +105,10 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
             logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
         finished = []
         for outs in result.values():
+            stats = outs.scheduler_stats.prefix_cache_stats if outs.scheduler_stats is not None else None
+            if stats is not None:
+                hits[0] += stats.hits
+                hits[1] += stats.queries
             for o in outs.outputs:
                 if o.new_token_ids:
                     first.setdefault(o.request_id, k)
@@ -135,7 +140,7 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
         if k > 5000:
             raise RuntimeError("not drained after 5000 steps")
     return {"steps": steps, "first_token_step": first, "finish_step": done, "outputs": outputs,
-            "prefix_hits": getattr(sched.kv_cache_manager.prefix_cache_stats, "hits", None)}
+            "prefix_hits": hits[0], "prefix_queries": hits[1]}
 
 
 def replay(seeds: list[int], model_dir: str) -> dict[str, Any]:
