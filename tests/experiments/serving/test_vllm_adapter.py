@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from core.interfaces import SchedulerLimits
 from core.kv_cache import VLLM, KVCacheManager
 from core.replica import Replica
 from core.request import Request
 from experiments.calibration.vllm_sched_trace import step_record
 from experiments.serving.vllm_adapter.plugin import choose
 from policies.eviction.lru import LRUEviction
-from core.interfaces import SchedulerLimits
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
