@@ -49,6 +49,7 @@ class TwinserveScheduler(AsyncScheduler):
         self.limits = self._limits(choice)
         self._mirrors: dict[str, RequestState] = {}
         self._unannounced: dict[str, Admission] = {}  # admitted, not yet sent to the model runner (no chunk yet)
+        self._announced: set[str] = set()  # requests the model runner has seen (a resumed one must be among them)
         logger.info("twinserve scheduler %s (overrides %s): max_num_batched_tokens=%d max_num_seqs=%d",
                     choice.name, list(choice.overrides) or "none", self.limits.max_num_batched_tokens,
                     self.limits.max_num_seqs)
@@ -77,6 +78,7 @@ class TwinserveScheduler(AsyncScheduler):
         super()._free_blocks(request)
         self._mirrors.pop(request.request_id, None)
         self._unannounced.pop(request.request_id, None)
+        self._announced.discard(request.request_id)
 
     def _mirror(self, req: Any) -> RequestState:
         """The plugin's view of one vLLM request, brought up to date (outputs include in-flight placeholders)."""
@@ -170,7 +172,11 @@ class TwinserveScheduler(AsyncScheduler):
                 running_reqs.append(self.requests[rid])
                 req_to_new_blocks[rid] = view.new_blocks.get(rid, kv.empty_kv_cache_blocks)
                 continue
-            (resumed_reqs if adm.resumed else new_reqs).append(adm.request)
+            if adm.resumed and rid in self._announced:
+                resumed_reqs.append(adm.request)
+            else:  # new, or preempted before the model runner ever saw it (admitted, preempted without a chunk)
+                new_reqs.append(adm.request)
+                self._announced.add(rid)
             req_to_new_blocks[rid] = kv.get_blocks(rid)
             self._admitted(adm, ch.num_tokens, timestamp)
         if self.use_v2_model_runner:
