@@ -34,7 +34,7 @@ from core.request import RepeatedTokens, Request, RequestState, Status  # noqa: 
 from experiments.serving.vllm_adapter.plugin import PluginChoice, choose_from  # noqa: E402
 from experiments.serving.vllm_adapter.view import Admission, VllmSchedulerView  # noqa: E402
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.twinserve_adapter")  # under "vllm": its handlers print it
 READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
