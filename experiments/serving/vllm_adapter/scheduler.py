@@ -115,7 +115,8 @@ class TwinserveScheduler(AsyncScheduler):
         self.kv_cache_manager.new_step_starts()
         timestamp = time.monotonic()
         running = [self._mirror(r) for r in self.running if self._schedulable(r)]
-        waiting = deque(self._mirror(r) for r in (*self.kv_holding_waiting, *self.waiting) if self._ready(r))
+        # (vLLM's kv_holding_waiting queue only fills with KV connectors or streaming sessions: refused)
+        waiting = deque(self._mirror(r) for r in self.waiting if self._ready(r))
         view = VllmSchedulerView(self, self.limits, time.time(), timestamp, running, waiting,
                                  self.requests, self._pause_state == PauseState.UNPAUSED, self._unannounced)
         batch = Batch() if self._pause_state == PauseState.PAUSED_ALL else self.plugin.schedule(view)
