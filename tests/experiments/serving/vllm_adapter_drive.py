@@ -10,7 +10,8 @@ A job: ``{"runs": [{"cls": "own" | "own_async" | "adapter", "overrides": [...], 
 experiments/calibration/vllm_sched_trace.make_stream...}, "requests": [{"id", "arrival" (step), "prompt": [ids],
 "max_tokens", "priority"?}], "overlap": false}, ...]}`` or ``{"replay": [seeds]}`` (the recorded streams of
 tests/data/vllm_v1_decisions.json through the adapter with scheduler=vllm_v1). The result (a JSON file): per run the
-step records (``step_record``), each request's first-token and finish step, its outputs and the prefix-cache hits;
+step records (``step_record``), each request's first-token and finish step, its outputs, the prefix-cache hits and the
+seconds spent in ``schedule()``;
 or ``{"error": message}`` when the scheduler refused to start. A run may ``inject`` refused features into vLLM's
 config (``{"speculative_config": true, "lora_config": true}``); a request with ``"json": true`` asks for structured
 output.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +120,7 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
                     finished.append(o.request_id)
         return finished
 
-    k = 0
+    k, schedule_s = 0, 0.0
     while pending or sched.get_num_unfinished_requests() or in_flight:
         while pending and pending[0]["arrival"] <= k:
             r = pending.pop(0)
@@ -126,7 +128,9 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
             params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, structured_outputs=so)
             sched.add_request(Request(r["id"], r["prompt"], params, None, arrival_time=float(r["arrival"]),
                                       priority=r.get("priority", 0), block_hasher=hasher))
+        t0 = time.perf_counter()
         out = sched.schedule()
+        schedule_s += time.perf_counter() - t0
         sampling = [rid for rid in out.num_scheduled_tokens if not sched.requests[rid].is_prefill_chunk]
         rec = step_record(dict(out.num_scheduled_tokens), out.preempted_req_ids, [])
         in_flight.append((out, sampling, k))
@@ -140,7 +144,7 @@ def drive(run: dict[str, Any], model_dir: str) -> dict[str, Any]:
         if k > 5000:
             raise RuntimeError("not drained after 5000 steps")
     return {"steps": steps, "first_token_step": first, "finish_step": done, "outputs": outputs,
-            "prefix_hits": hits[0], "prefix_queries": hits[1]}
+            "prefix_hits": hits[0], "prefix_queries": hits[1], "schedule_s": schedule_s}
 
 
 def replay(seeds: list[int], model_dir: str) -> dict[str, Any]:
