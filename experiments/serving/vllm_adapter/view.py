@@ -22,10 +22,11 @@ from core.request import RequestState, Status
 
 @dataclass
 class Admission:
-    """A request this step moved from waiting to running: how, and what the prefix cache gave it."""
+    """A request moved from waiting to running that the model runner has not seen yet: how it came, and what the
+    prefix cache gave it."""
 
     request: Any  # vllm.v1.request.Request
-    resumed: bool  # it was preempted before (vLLM's scheduled_resumed_reqs), else new
+    resumed: bool  # it was preempted before (vLLM's scheduled_resumed_reqs, if the runner knows it), else new
     num_cached_tokens: int  # vLLM's local prefix-cache hit, in tokens
 
 
@@ -50,7 +51,6 @@ class VllmSchedulerView:
         # requests than one step's budget prefills); kept by the adapter across steps
         self.admitted = admitted
         self.new_blocks: dict[str, Any] = {}  # id -> KVCacheBlocks allocated this step for a running request
-        self.preempted_requests: list[Any] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,7 +118,6 @@ class VllmSchedulerView:
         sched._preempt_request(req, self._timestamp, drop_stale_output=sched.requires_kv_delivery)
         self.admitted.pop(state.id, None)
         self.new_blocks.pop(state.id, None)
-        self.preempted_requests.append(req)
         self.running.remove(state)
         self.waiting.appendleft(state)
         self.preempted.append(state.id)
