@@ -302,3 +302,63 @@ def test_plugins_through_the_adapter_generate_vllms_own_tokens(tmp_path):
     assert all(len(o) == 16 for o in own["outputs"])
     assert [r["outputs"] == own["outputs"] for r in ours] == [True] * 4
     assert ours[1]["preemptions"] > 0
+
+
+def test_vllms_openai_server_loads_the_adapter_from_the_command_line(tmp_path):
+    """``api_server --scheduler-cls ...`` with the plugin in TWINSERVE_SCHEDULER: it serves completions (a request
+    priority and a TTFT deadline in vllm_xargs included), logs the plugin it runs, ends a structured-output request
+    with an error (HTTP 500; the server log names the refused feature) and serves on."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    from experiments.benchmarks.tiny_checkpoint import make_checkpoint
+    from experiments.serving.server.process import free_port
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", num_layers=2, hidden_size=256, vocab_size=4000)
+    port, log_path = free_port(), tmp_path / "vllm.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "TWINSERVE_SCHEDULER": "scheduler=priority scheduler.max_num_batched_tokens=256 scheduler.max_num_seqs=8"}
+    args = ["--model", str(ckpt), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "256", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+            "--scheduler-cls", "experiments.serving.vllm_adapter.scheduler.TwinserveScheduler"]
+    url = f"http://127.0.0.1:{port}"
+
+    def complete(**body) -> tuple[int, dict]:
+        req = urllib.request.Request(url + "/v1/completions", json.dumps({"model": str(ckpt), **body}).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=5)
+                    break
+                except OSError:
+                    time.sleep(2)
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            ok = dict(prompt=[11, 12, 13, 14], max_tokens=6, temperature=0, ignore_eos=True)
+            status, body = complete(**ok)
+            assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+            status, _ = complete(prompt=[11, 12], max_tokens=6, structured_outputs={"json": {"type": "object"}})
+            assert status >= 500
+            status, body = complete(**ok, priority=-1, vllm_xargs={"ttft_deadline_s": 0.5})
+            assert status == 200 and body["usage"]["completion_tokens"] == 6
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert "twinserve scheduler policies.schedulers.priority.PriorityScheduler" in text
+    assert "refused: structured outputs" in text
