@@ -121,8 +121,9 @@ def test_stages_split_the_one_stage_step():
 def test_kv_pool_per_device_by_hand():
     kv, q = KVConfig(), QuantSpec()
     w, kv_tok = ar.weight_bytes(LLAMA2_70B), ar.kv_bytes_per_token(LLAMA2_70B)  # 80 layers, 8 KV heads
-    one_device = math.floor((80e9 * 0.9 - w) / (kv_tok * 16)) if 80e9 * 0.9 > w else None
-    assert one_device is None
+    assert w > 80e9 * 0.9  # 138 GB: no single device holds it
+    with pytest.raises(ValueError, match="does not fit"):
+        num_kv_blocks(kv, q, LLAMA2_70B, H100)
     tp4 = num_kv_blocks(kv, q, LLAMA2_70B, H100, ParallelConfig(tp=4))
     per_device = ar.weight_bytes_per_device(LLAMA2_70B, tp=4)
     assert per_device == pytest.approx(w / 4, rel=1e-3)  # norms replicated: a hair above a quarter
