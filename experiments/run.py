@@ -135,6 +135,7 @@ def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backen
     options = run_summary_options(run)
     metrics = summarize(result.states, **options, itl_pool=result.itl_pool)
     metrics.update(backend=label, num_steps=len(result.steps), **(extra or {}))
+    metrics["deployment"] = deployment_metrics(run, metrics.get("goodput_rps"))
     if pd is not None:
         metrics["pd"] = pd_metrics(run, pd)
     if label == "engine":
@@ -158,6 +159,18 @@ def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backen
 
         plotting.plot_run(out)
     return metrics
+
+
+def deployment_metrics(run: RunConfig, goodput_rps: float | None) -> dict[str, Any]:
+    """metrics.json's ``deployment`` section: the devices the run's replicas take (tp x pp x dp each), the price of
+    one device-hour (``hardware.price_per_hour``; 0: unknown), goodput per device and requests within the SLO per
+    dollar (goodput x 3600 / (devices x price); null without a price): what the deployment search ranks."""
+    devices = run.parallel.devices * run.cluster.num_replicas
+    price = run.hardware.price_per_hour
+    good = goodput_rps or 0.0
+    return {"parallel": asdict(run.parallel), "replicas": run.cluster.num_replicas, "devices": devices,
+            "price_per_hour": price, "goodput_rps_per_device": good / devices,
+            "goodput_per_dollar": good * 3600 / (devices * price) if price > 0 else None}
 
 
 def pd_metrics(run: RunConfig, loop: PDServingLoop) -> dict[str, Any]:
@@ -197,6 +210,11 @@ def same_files(a: str | Path, b: str | Path, names: Sequence[str] = COMPARED_FIL
 @hydra_app("config")
 def main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
+    if cfg.get("gpus") is not None:  # a deployment search trial (conf/sweep/deployment.yaml)
+        skipped = off_budget(cfg)
+        if skipped:
+            log.info(f"deployment search: {skipped}; objective 0")
+            return 0.0
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",
             "slo_attainment", "throughput_tok_s", "request_hit_rate")
@@ -205,6 +223,19 @@ def main(cfg: DictConfig) -> float | None:
     log.info(f"ttft p50/p90/p99 s: {ttft['p50']} / {ttft['p90']} / {ttft['p99']}")
     log.info(f"wrote {out_dir}")
     return objective(cfg, metrics)
+
+
+def off_budget(cfg: DictConfig) -> str | None:
+    """Why a deployment-search trial is not a deployment of exactly ``gpus`` devices (replicas x tp x pp x dp), or
+    cannot be built (heads, experts, memory): the trial then scores 0 without running. None: run it."""
+    try:
+        rc = RunConfig.from_config(cfg)
+    except ValueError as e:
+        return str(e)
+    devices = rc.parallel.devices * rc.cluster.num_replicas
+    if devices != int(cfg.gpus):
+        return f"{devices} devices, not gpus={cfg.gpus}"
+    return "parallel.pp > 1 with parallel.dp > 1 is not simulated" if rc.parallel.pp > 1 < rc.parallel.dp else None
 
 
 def objective(cfg: DictConfig, metrics: Mapping[str, Any]) -> float | None:
