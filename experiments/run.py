@@ -68,7 +68,8 @@ def finish_run(run: RunConfig, loop: ServingLoop, result: RunResult, out_dir: st
     """How every finished run ends, whether it ran alone, interleaved with others or served over HTTP: refuse one
     that measured nothing, add the host-tier and PD sections, write the run directory; returns the metrics."""
     check_measured(run, result)
-    sections = {**host_tier_metrics(run, loop), **cost_model_metrics(loop), **(extra or {})}
+    sections = {**host_tier_metrics(run, loop), **cost_model_metrics(loop), **pipeline_metrics(loop, result),
+                **(extra or {})}
     return write_run_dir(run, result, out_dir, backend_label, sections, pd=pd_loop(loop))
 
 
@@ -85,6 +86,19 @@ def cost_model_metrics(loop: ServingLoop) -> dict[str, Any]:
             log.info(f"{c['priced_steps']} steps priced, some beyond the profiled grid (scaled by the roofline "
                      f"from its edge): {c['beyond_grid']}")
     return {"cost_model": seen[0] if len(seen) == 1 else seen}
+
+
+def pipeline_metrics(loop: ServingLoop, result: RunResult) -> dict[str, Any]:
+    """metrics.json's ``pipeline`` section for pipeline-parallel replicas (``sim.pipeline``): per replica, each
+    stage's busy and idle seconds over the run (the idle time is the bubble, with the idle gaps of a quiet
+    replica) and the micro-batches' time waiting for a busy stage; no key without pipelines."""
+    pipelines = list({id(p): p for ex in loop.executors if (p := getattr(ex, "pipeline", None)) is not None}.values())
+    if not pipelines:
+        return {}
+    span = float(result.end_s)
+    return {"pipeline": [{"stages": p.num_stages, "busy_s": p.busy_s, "idle_s": p.idle_s(span),
+                          "bubble_fraction": [i / span if span else 0.0 for i in p.idle_s(span)],
+                          "wait_s": p.wait_s} for p in pipelines]}
 
 
 def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
