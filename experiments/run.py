@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.disagg import PDServingLoop
 from core.host_tier import HostTierStats
@@ -225,6 +225,7 @@ def same_files(a: str | Path, b: str | Path, names: Sequence[str] = COMPARED_FIL
 def main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
     if cfg.get("gpus") is not None:  # a deployment search trial (conf/sweep/deployment.yaml)
+        cfg = fill_replicas(cfg)
         skipped = off_budget(cfg)
         if skipped:
             log.info(f"deployment search: {skipped}; objective 0")
@@ -237,6 +238,19 @@ def main(cfg: DictConfig) -> float | None:
     log.info(f"ttft p50/p90/p99 s: {ttft['p50']} / {ttft['p90']} / {ttft['p99']}")
     log.info(f"wrote {out_dir}")
     return objective(cfg, metrics)
+
+
+def fill_replicas(cfg: DictConfig) -> DictConfig:
+    """``replicas=auto`` in a deployment search: as many replicas as ``gpus`` holds (gpus / (tp x pp x dp)); left
+    as is when that does not divide (``off_budget`` then refuses the trial)."""
+    if str(cfg.get("replicas")) != "auto":
+        return cfg
+    par = cfg.parallel
+    per = int(par.tp) * int(par.pp) * int(par.dp)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.replicas = int(cfg.gpus) // per if int(cfg.gpus) % per == 0 else 0
+    return cfg
 
 
 def off_budget(cfg: DictConfig) -> str | None:

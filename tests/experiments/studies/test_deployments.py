@@ -36,3 +36,14 @@ def test_search_finds_the_hand_known_optimum(tmp_path):
     assert len(rows) == 5
     assert best["goodput_per_dollar"] == pytest.approx(best["goodput_rps"] * 3600 / (4 * 6.155))
     assert best["goodput_rps_per_device"] == pytest.approx(best["goodput_rps"] / 4)
+
+
+def test_search_trials_fill_replicas_and_skip_off_budget():
+    from experiments.run import fill_replicas, off_budget
+
+    base = ["model=llama3_8b", "hardware=h100", "cost_model=roofline", "+gpus=8", "replicas=auto"]
+    cfg = fill_replicas(compose_cfg([*base, "parallel.tp=2", "parallel.pp=2"]))
+    assert cfg.replicas == 2 and off_budget(cfg) is None
+    assert "replicas=0" in off_budget(fill_replicas(compose_cfg([*base, "parallel.tp=8", "parallel.pp=2"])))
+    assert "parallel.tp=3" in off_budget(fill_replicas(compose_cfg([*base[:-1], "replicas=1", "parallel.tp=3"])))
+    assert "not gpus=8" in off_budget(compose_cfg([*base[:-1], "replicas=1", "parallel.tp=4"]))
