@@ -162,10 +162,10 @@ class ServingLoop:
         self._clock_drives_decodes = False
         self._ids: set[str] = set()
         self.groups = [(list(members), ex) for members, ex in groups]
-        self._slot = list(range(len(self.replicas)))  # the Idle slot waking a replica's process: a group's first
+        self._wake_slot = list(range(len(self.replicas)))  # the Idle slot waking a replica's process: a group's first
         for members, _ in self.groups:
             for i in members:
-                self._slot[i] = members[0]
+                self._wake_slot[i] = members[0]
         for r in self.replicas:
             r.on_terminal = self._terminal
 
@@ -208,7 +208,7 @@ class ServingLoop:
         idx = self._route(req)
         state = self.replicas[idx].add(req, self.clock.now)
         self.states.append(state)
-        self.clock.wake(self._slot[idx])
+        self.clock.wake(self._wake_slot[idx])
         return state
 
     def _route(self, req: Request) -> int:
