@@ -148,7 +148,7 @@ def check_memory(run: RunConfig, available: int | None = None) -> None:
     ``available``: free host bytes (default: read from the OS; no check when it cannot be read)."""
     from core.resources import REPLICA_BYTES, available_memory_bytes, block_bookkeeping_bytes, gb
 
-    kv, n, blocks = run.kv, run.cluster.num_replicas, run.num_kv_blocks
+    kv, n, blocks = run.kv, run.cluster.num_replicas * run.parallel.dp, run.num_kv_blocks  # a pool per dp rank
     if kv.num_blocks is not None:
         key, shown = "kv.num_blocks", kv.num_blocks
     elif kv.memory_bytes is not None:

@@ -160,7 +160,7 @@ def test_parallel_runs_account_for_every_request(name):
     assert used == set(range(len(loop.replicas)))  # every virtual engine / rank ran
 
 
-@pytest.mark.parametrize("name", ["tp2_pp2", "moe_tp2_ep2", "moe_dp2_ep2"])
+@pytest.mark.parametrize("name", ["tp4", "tp2_pp2", "moe_tp2_ep2", "moe_dp2_ep2"])
 def test_parallel_runs_fast_forward_identical(tmp_path, name):
     run_both(tmp_path, [*COMMON, *RUNS[name]])
 
