@@ -140,6 +140,10 @@ RUNS = {
     "tp2_pp2": ["model=llama2_70b", "parallel.tp=2", "parallel.pp=2"],
     "moe_tp2_ep2": ["model=qwen3_30b_a3b", "parallel.tp=2", "parallel.ep=2"],
     "moe_dp2_ep2": ["model=qwen3_30b_a3b", "parallel.dp=2", "parallel.ep=2"],
+    "mixtral_tp4_ep4": ["model=mixtral_8x7b", "parallel.tp=4", "parallel.ep=4"],
+    "mixtral_tp2_pp2": ["model=mixtral_8x7b", "parallel.tp=2", "parallel.pp=2"],
+    "mla_dp2_ep2": ["model=deepseek_v2_lite", "parallel.dp=2", "parallel.ep=2"],
+    "mla_tp2_pp3": ["model=deepseek_v2_lite", "parallel.tp=2", "parallel.pp=3"],
 }
 COMMON = ["hardware=h100", "cost_model=roofline", "workload.num_requests=60", "workload.arrival.rate_rps=30",
           "kv.num_blocks=400", "replicas=2"]
@@ -160,7 +164,7 @@ def test_parallel_runs_account_for_every_request(name):
     assert used == set(range(len(loop.replicas)))  # every virtual engine / rank ran
 
 
-@pytest.mark.parametrize("name", ["tp4", "tp2_pp2", "moe_tp2_ep2", "moe_dp2_ep2"])
+@pytest.mark.parametrize("name", ["tp4", "tp2_pp2", "moe_tp2_ep2", "moe_dp2_ep2", "mixtral_tp4_ep4", "mla_dp2_ep2"])
 def test_parallel_runs_fast_forward_identical(tmp_path, name):
     run_both(tmp_path, [*COMMON, *RUNS[name]])
 
