@@ -1,6 +1,6 @@
 """Per-operator error of the roofline against published linear-layer and MoE profiles, by tensor-parallel degree.
 
-    python -m experiments.calibration.op_errors [--out DIR]
+    python -m experiments.op_errors [--out DIR]
 
 - Vidur (``gpu-measurements/vidur/<gpu>/<model>/mlp.csv``: one layer's operators on one TP shard, ms, at TP 1, 2,
   4 and 8): ``attn_pre_proj`` (QKV), ``attn_post_proj`` (o), ``mlp_up_proj`` (gate + up), ``mlp_down_proj``, their
