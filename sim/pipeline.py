@@ -76,8 +76,9 @@ class PipelineExecutor(BaseExecutor):
 
 
 class LockstepExecutor:
-    """The dp ranks of one replica priced as one step (``core.loop``'s replica groups): every rank's batch, empty
-    ones included (an idle rank still joins the MoE layers' collectives), lasts the slowest rank's time."""
+    """The dp ranks of one replica priced as one step (``core.loop``'s replica groups): every rank's batch lasts the
+    slowest rank's time. An idle rank's dummy batch (vLLM runs one so the collectives meet) adds no time: the
+    busy ranks' steps are longer."""
 
     def __init__(self, cost_model, token_id: int = 0) -> None:
         self.cost_model, self.token_id = cost_model, token_id
