@@ -185,7 +185,11 @@ def linear_weight_bytes(m: ModelSpec, weight_bits: int = 16, group_size: int = 1
     """Bytes of the decoder's linear weights as stored: the model dtype when unquantised, else b/8 per weight plus
     a 16-bit scale and a 16-bit zero point per group of ``group_size`` (n·b/8 + n·4/G)."""
     check_quant(weight_bits, 16, group_size)
-    n = quantised_params(m)
+    return stored_bytes(m, quantised_params(m), weight_bits, group_size)
+
+
+def stored_bytes(m: ModelSpec, n: int, weight_bits: int = 16, group_size: int = 128) -> float:
+    """``n`` linear weights as stored: n·(dtype bytes), or n·b/8 + n·4/G quantised."""
     if weight_bits == 16:
         return float(n * act_bytes(m))
     return n * weight_bits / 8 + n * GROUP_BYTES / group_size
@@ -324,3 +328,42 @@ def elementwise_bytes_per_token(m: ModelSpec, tp: int = 1) -> float:
     # layers of one kind are summed as count x bytes: a dense model's figure stays bit-identical to L x its layer's
     kinds = Counter(_elementwise_elements(m, i, tp) for i in range(m.num_layers))
     return float(sum(act_bytes(m) * n * elements for elements, n in kinds.items()))
+
+
+# ---- parallel deployments: what one device holds -------------------------------------------------------------------
+
+def stage_layers(m: ModelSpec, pp: int = 1) -> list[range]:
+    """The decoder layers of each of ``pp`` pipeline stages: L // pp each, the remainder one more on the stages
+    before the last (vLLM's ``get_pp_indices``: the last stage also runs the LM head)."""
+    check_int(pp, "parallel.pp", 1)
+    if pp > m.num_layers:
+        raise ValueError(f"parallel.pp={pp} stages > model.num_layers={m.num_layers}")
+    sizes = [m.num_layers // pp] * pp
+    for i in range(2, m.num_layers % pp + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def weight_bytes_per_device(m: ModelSpec, weight_bits: int = 16, group_size: int = 128, tp: int = 1,
+                            layers: range | None = None, moe_ranks: int = 1, first: bool = True,
+                            last: bool = True) -> float:
+    """Weights one device of a stage holds: the stage's ``layers`` (default all) split over ``tp`` (routed experts
+    over the ``moe_ranks`` = tp x dp devices of the MoE layers, whatever the expert-parallel degree: ep groups of
+    experts, each sharded over tp x dp / ep devices), the embedding on the ``first`` stage and the LM head on the
+    ``last``, vocabulary-parallel over tp; norms replicated."""
+    layers = range(m.num_layers) if layers is None else layers
+    routed = sum(m.moe.num_experts * expert_params(m) for i in layers if is_moe_layer(m, i))
+    dense = sum(linear_params_per_layer(m, i) for i in layers) - routed
+    rest = sum(params_per_layer(m, i) - linear_params_per_layer(m, i) for i in layers)  # router, norms, biases
+    vocab = embedding_params(m) * ((1 if first else 0) + (1 if last and not m.tie_word_embeddings else 0))
+    return (stored_bytes(m, dense, weight_bits, group_size) / tp
+            + stored_bytes(m, routed, weight_bits, group_size) / max(tp, moe_ranks)
+            + (rest + vocab / tp + (m.hidden_size if last else 0)) * act_bytes(m))
+
+
+def kv_bytes_per_token_of_stage(m: ModelSpec, kv_bits: int = 16, tp: int = 1, layers: range | None = None) -> float:
+    """``kv_bytes_per_token_per_device`` for the KV of a stage's ``layers`` only (default all)."""
+    full = kv_bytes_per_token_per_device(m, kv_bits, tp)
+    n = m.num_layers if layers is None else len(layers)
+    return full if n == m.num_layers else full * n / m.num_layers

@@ -19,6 +19,10 @@ Decode fast-forward (``core.fast_forward``): after a step that leaves every runn
 executor ``predicts_decodes`` (the simulator's cost model), the scheduler declares ``SteadyDecodeScheduler`` and
 nobody listens to steps, the replica's next identical decode steps run without schedule / execute / apply -- still
 one ``Sleep`` and one step record each, so the clock's event order and every output stay the per-step run's.
+
+Replica groups (``groups``: the attention data-parallel ranks of an MoE deployment, ``sim.pipeline``): replicas
+that step together, as one process: each schedules its own batch, a ``GroupExecutor`` prices them at once, every
+member's step lasts the group's step (one step record per member that ran a batch); no fast-forward.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from core.batch import Batch
 from core.fast_forward import DecodeRun
-from core.interfaces import Executor, Router, Workload
+from core.interfaces import Executor, Router, StepOutput, Workload
 from core.metrics import ITLPool
 from core.records import StepLog, StepRecord, feature_values
 from core.replica import Replica
@@ -75,6 +79,12 @@ class Decodes:
 
 Wait = Until | Sleep | Idle | Decodes
 Process = Generator[Wait, None, None]
+
+
+class GroupExecutor(Protocol):
+    """Prices the batches of a replica group's members as one step (``ServingLoop``'s ``groups``)."""
+
+    def execute_group(self, batches: Sequence[Batch]) -> list[StepOutput]: ...
 
 
 class Clock(Protocol):
@@ -136,7 +146,8 @@ class ServingLoop:
 
     def __init__(self, replicas: Sequence[Replica], executors: Sequence[Executor], router: Router,
                  workload: Workload, keep_batches: bool = False, frontend_delay_s: float = 0.0,
-                 fast_forward: bool = True, itl_pool: ITLPool | None = None) -> None:
+                 fast_forward: bool = True, itl_pool: ITLPool | None = None,
+                 groups: Sequence[tuple[Sequence[int], GroupExecutor]] = ()) -> None:
         if len(replicas) != len(executors) or not replicas:
             raise ValueError(f"need one executor per replica, got {len(replicas)} replicas, {len(executors)} executors")
         self.replicas = list(replicas)
@@ -165,6 +176,11 @@ class ServingLoop:
         self.clock: Clock | None = None
         self._clock_drives_decodes = False
         self._ids: set[str] = set()
+        self.groups = [(list(members), ex) for members, ex in groups]
+        self._wake_slot = list(range(len(self.replicas)))  # the Idle slot waking a replica's process: a group's first
+        for members, _ in self.groups:
+            for i in members:
+                self._wake_slot[i] = members[0]
         for r in self.replicas:
             r.on_terminal = self._terminal
 
@@ -180,7 +196,9 @@ class ServingLoop:
         """The processes to run on ``clock``: the workload's arrivals and one per replica."""
         self.clock = clock
         self._clock_drives_decodes = isinstance(clock, DecodeClock) and clock.drives_decodes  # checked once
-        return [self._arrivals(), *(self._replica(i) for i in range(len(self.replicas)))]
+        grouped = {i for members, _ in self.groups for i in members}
+        return [self._arrivals(), *(self._replica(i) for i in range(len(self.replicas)) if i not in grouped),
+                *(self._group(members, ex) for members, ex in self.groups)]
 
     @property
     def num_idle_slots(self) -> int:
@@ -216,7 +234,7 @@ class ServingLoop:
             self.states.append(state)
         elif not state.status.terminal:  # rejected at once: its end record holds the request
             self.journal.admit(state)
-        self.clock.wake(idx)
+        self.clock.wake(self._wake_slot[idx])
         return state
 
     def _route(self, req: Request) -> int:
@@ -276,6 +294,36 @@ class ServingLoop:
                 run = replica.start_decode_run(executor, clock.now)
                 if run is not None:
                     yield from self._decode_run(i, replica, run)
+
+    def _group(self, members: list[int], executor: GroupExecutor) -> Process:
+        """Replicas ``members`` stepping together: each schedules its batch, ``executor`` prices them as one step."""
+        replicas, clock = [self.replicas[i] for i in members], self.clock
+        while True:
+            start = clock.now
+            batches = [r.schedule(start) for r in replicas]
+            if all(b.empty for b in batches):
+                busy = [i for i, r in zip(members, replicas, strict=True) if r.running]
+                if busy:
+                    raise RuntimeError(f"empty batches with running requests on replicas {busy}")
+                if any(r.waiting and not r.sending for r in replicas):
+                    continue  # a head request was rejected; try the next one
+                yield Idle(members[0])
+                continue
+            outs = executor.execute_group(batches)
+            duration = max(o.duration_s for o in outs)
+            yield Sleep(duration, start)
+            for i, r, batch, out in zip(members, replicas, batches, outs, strict=True):
+                if batch.empty:
+                    continue
+                r.apply(batch, out.tokens, clock.now, out.num_tokens)
+                self.steps.add(i, start, duration, feature_values(batch.features), r.kv.num_used_blocks,
+                               len(batch.preempted))
+                if self.keep_batches:
+                    self.batches.append(batch)
+                if self.on_step:
+                    record = StepRecord(i, start, duration, batch.features, r.kv.num_used_blocks, len(batch.preempted))
+                    for listener in self.on_step:
+                        listener(i, batch, record)
 
     def _decode_run(self, i: int, replica: Replica, run: DecodeRun) -> Process:
         """Fast-forwarded steps of replica ``i`` (``core.fast_forward``): one clock event and one step record per

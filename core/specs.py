@@ -286,12 +286,15 @@ class HardwareSpec:
     links: dict | None = None  # KV transfer link presets for PD disaggregation: name -> {bandwidth_bytes_s, latency_s}
     host_link_bw: float = 0.0  # bytes/s per direction between device and host memory (host KV tier; 0: unknown)
     host_link_latency_s: float = 0.0  # fixed cost of one batch of copies in one direction
+    interconnect_latency_s: float = 0.0  # per hop of a collective between peers (ring step, send/recv)
+    network_profile: str | None = None  # measured NCCL tables for these peers (gpu-measurements/vidur/network/<name>)
+    price_per_hour: float = 0.0  # list price of one device-hour in USD (0: unknown); goodput per dollar
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "mem_bw", "mem_bytes"):
             if float(getattr(self, key)) <= 0:
                 raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("host_link_bw", "host_link_latency_s"):
+        for key in ("host_link_bw", "host_link_latency_s", "interconnect_latency_s", "price_per_hour"):
             if float(getattr(self, key)) < 0:
                 raise ValueError(f"hardware.{key} must be >= 0, got {getattr(self, key)}")
 

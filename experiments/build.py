@@ -128,12 +128,17 @@ def build_replicas(run: RunConfig) -> list[Replica]:
     check_memory(run)
     cfg, spec = run.config, run.speculation
     sched = OmegaConf.create({k: v for k, v in plain(cfg.scheduler).items() if k not in LIMIT_KEYS})
+    par = run.parallel
+    blocks = run.num_kv_blocks // par.pp  # pipeline virtual engines split the pool (sim.pipeline)
+    if blocks < 1:
+        raise ValueError(f"parallel.pp={par.pp}: the pool of {run.num_kv_blocks} KV blocks leaves none per virtual "
+                         "engine; raise kv.num_blocks")
     return [Replica(i, instantiate_group(sched, "scheduler"),
-                    KVCacheManager(run.num_kv_blocks, run.kv.block_size, instantiate_group(cfg.eviction, "eviction"),
+                    KVCacheManager(blocks, run.kv.block_size, instantiate_group(cfg.eviction, "eviction"),
                                    run.kv.prefix_caching, host_tier(run), run.kv.prefix_cache_mode), run.limits,
                     speculation=instantiate_group(spec.policy, "speculation") if spec.method else None,
                     preemption=preemption_policy(run))
-            for i in range(run.cluster.num_replicas)]
+            for i in range(run.cluster.num_replicas * par.dp * par.pp)]
 
 
 def check_memory(run: RunConfig, available: int | None = None) -> None:
@@ -143,7 +148,7 @@ def check_memory(run: RunConfig, available: int | None = None) -> None:
     ``available``: free host bytes (default: read from the OS; no check when it cannot be read)."""
     from core.resources import REPLICA_BYTES, available_memory_bytes, block_bookkeeping_bytes, gb
 
-    kv, n, blocks = run.kv, run.cluster.num_replicas, run.num_kv_blocks
+    kv, n, blocks = run.kv, run.cluster.num_replicas * run.parallel.dp, run.num_kv_blocks  # a pool per dp rank
     if kv.num_blocks is not None:
         key, shown = "kv.num_blocks", kv.num_blocks
     elif kv.memory_bytes is not None:
@@ -237,7 +242,11 @@ def _sim_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
     node = run.config.cost_model
     data = {"data_dir": str(shared_data("gpu-measurements", "llmservingsim"))} \
         if "data_dir" in node and node.data_dir is None and not node.get("profile") else {}
+    if "network_dir" in node and node.network_dir is None and run.hardware.network_profile:
+        data["network_dir"] = str(shared_data("gpu-measurements", "vidur", "network"))
     cost = instantiate_group(node, "cost_model", model=run.model, hardware=run.hardware, **data)
+    if run.parallel.pp > 1 or run.parallel.dp > 1:
+        return parallel_executors(run, cost, replicas)
     noise = step_noise(run)  # seeded per replica: replicas are machines of their own
     host = host_link(run) if run.num_host_blocks else None
     return [CostModelExecutor(cost, speculation=sim_speculation(run, r.index), host_link=host,
@@ -245,6 +254,38 @@ def _sim_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
                               noise=None if noise is None else StepNoise.from_mapping(noise, [run.sim.noise_seed,
                                                                                               r.index]))
             for r in replicas]
+
+
+def parallel_executors(run: RunConfig, cost: Any, replicas: list[Replica]) -> list[Executor]:
+    """Pipeline stages (pp > 1: one ``sim.pipeline.Pipeline`` per replica, shared by its pp virtual engines) or
+    lockstep dp ranks (dp > 1: ``lockstep_groups``); what they do not model is refused."""
+    from sim.executor import CostModelExecutor
+    from sim.pipeline import Pipeline, PipelineExecutor
+
+    par, need = run.parallel, "stage_times" if run.parallel.pp > 1 else "group_step_time"
+    unsupported = {"parallel.pp > 1 with parallel.dp > 1": par.pp > 1 and par.dp > 1,
+                   "cluster=pd": run.cluster.kind == "pd", "kv.host_blocks": bool(run.num_host_blocks),
+                   "spec": bool(run.speculation.method), f"cost_model {type(cost).__name__}": not hasattr(cost, need),
+                   "backend.step_noise with a calibration": step_noise(run) is not None}
+    refused = [k for k, v in unsupported.items() if v]
+    if refused:
+        raise ValueError(f"parallel={par}: not simulated with {refused[0]} (pipeline and data-parallel replicas "
+                         "run on cost_model=roofline, colocated, without host tier, speculation or step noise)")
+    if par.dp > 1:
+        return [CostModelExecutor(cost) for _ in replicas]
+    pipelines = [Pipeline(par.pp) for _ in range(run.cluster.num_replicas)]
+    return [PipelineExecutor(cost, pipelines[r.index // par.pp]) for r in replicas]
+
+
+def lockstep_groups(run: RunConfig, executors: list[Executor]) -> list[tuple[list[int], Any]]:
+    """The dp ranks of each replica as a ``core.loop`` replica group, priced together (``sim.pipeline``)."""
+    dp = run.parallel.dp
+    if dp == 1 or run.sim is None:
+        return []
+    from sim.pipeline import LockstepExecutor
+
+    return [(list(range(r * dp, (r + 1) * dp)), LockstepExecutor(executors[r * dp].cost_model))
+            for r in range(run.cluster.num_replicas)]
 
 
 def sim_speculation(run: RunConfig, replica: int) -> Any:
@@ -315,6 +356,7 @@ def build_loop(run: RunConfig, make_executors: MakeExecutors | None = None, repl
             build_workload(cfg.workload) if workload is None else workload)
     options = dict(frontend_delay_s=frontend_delay(run), fast_forward=run.sim is None or run.sim.fast_forward,
                    itl_pool=ITLPool(run.metrics.prompt_len_edges) if run.output.tokens == "none" else None)
+    groups = lockstep_groups(run, executors) if make_executors is None else []
     if run.cluster.kind == "pd":
         from core.disagg import PDServingLoop
 
@@ -324,7 +366,11 @@ def build_loop(run: RunConfig, make_executors: MakeExecutors | None = None, repl
         return PDServingLoop(*args, num_prefill=run.cluster.num_prefill,
                              placement=instantiate_group(cfg.placement, "placement"),
                              transport=kv_transport(run, executors), **options)
-    return ServingLoop(*args, **options)
+    loop = ServingLoop(*args, **options, groups=groups)
+    for ex in executors:  # pipeline stages keep the loop's time (sim.pipeline)
+        if hasattr(ex, "pipeline"):
+            ex.pipeline.now = lambda: loop.clock.now
+    return loop
 
 
 def kv_transport(run: RunConfig, executors: list[Executor]) -> Any:

@@ -360,7 +360,7 @@ class RunConfig:
             engine_clock=resolve_engine_clock(cfg.get("engine_clock", "auto"), engine, parallel.tp),
             frontend_delay_s=None if cfg.get("frontend_delay_s") is None
             else check_float(cfg.frontend_delay_s, "frontend_delay_s"),
-            num_kv_blocks=num_kv_blocks(kv, quant, model, hardware),
+            num_kv_blocks=num_kv_blocks(kv, quant, model, hardware, parallel),
             num_host_blocks=num_host_blocks(kv, quant, model),
             sim=sim, engine=engine)
 
@@ -418,28 +418,38 @@ def resolve_engine_clock(clock: Any, engine: EngineOptions | None, tp: int = 1) 
     return clock
 
 
-def num_kv_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec, hardware: HardwareSpec) -> int:
-    """``kv.num_blocks``, else ``kv.memory_bytes`` worth of blocks, else what the hardware's memory holds after the
-    weights. Both backends size the pool with this one function, so they see the same pool. Bytes are what the
-    engine stores (``core.arithmetic``): int8 KV with its float32 scales, W4 weights with a scale and zero point per
-    group, in the stored dtype."""
+def num_kv_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec, hardware: HardwareSpec,
+                  parallel: ParallelConfig | None = None) -> int:
+    """``kv.num_blocks``, else ``kv.memory_bytes`` (per device) worth of blocks, else what each device's memory holds
+    after its weights. Both backends size the pool with this one function, so they see the same pool. Bytes are what
+    the engine stores (``core.arithmetic``): int8 KV with its float32 scales, W4 weights with a scale and zero point
+    per group, in the stored dtype. In a parallel deployment (``parallel``) a device holds its stage's layers, 1/tp
+    of their dense weights and KV heads (MLA's latent whole), 1/(tp x dp) of their routed experts; the pool is what
+    the fullest stage's devices hold (one pool per dp rank)."""
     if kv.num_blocks is not None:
         return kv.num_blocks
-    per_block = arithmetic.kv_bytes_per_block(model, kv.block_size, quant.kv_bits)
+    par = parallel or ParallelConfig()
+    stages = arithmetic.stage_layers(model, par.pp)
+    per_block = [arithmetic.kv_bytes_per_token_of_stage(model, quant.kv_bits, par.tp, layers) * kv.block_size
+                 for layers in stages]
     if kv.memory_bytes is not None:
-        budget, key = kv.memory_bytes, f"kv.memory_bytes={kv.memory_bytes!r}"
+        budgets, key = [kv.memory_bytes] * len(stages), f"kv.memory_bytes={kv.memory_bytes!r}"
     else:
-        weights = arithmetic.weight_bytes(model, quant.weight_bits, quant.group_size)
-        budget = hardware.mem_bytes * kv.memory_fraction - weights
+        weights = [arithmetic.weight_bytes_per_device(model, quant.weight_bits, quant.group_size, par.tp, layers,
+                                                      par.tp * par.dp, i == 0, i == len(stages) - 1)
+                   for i, layers in enumerate(stages)]
+        usable = hardware.mem_bytes * kv.memory_fraction
+        budgets = [usable - w for w in weights]
         key = f"kv.memory_fraction={kv.memory_fraction!r}"
-        if budget <= 0:
-            raise ValueError(f"{key}: model {model.name} ({weights / 1e9:.3g} GB of weights in {model.dtype}) does "
-                             f"not fit hardware.mem_bytes x kv.memory_fraction "
-                             f"({hardware.mem_bytes * kv.memory_fraction / 1e9:.3g} GB); raise it, or set "
-                             "kv.num_blocks or kv.memory_bytes")
-    blocks = arithmetic.num_blocks_for_memory(model, kv.block_size, budget, quant.kv_bits)
+        if min(budgets) <= 0:
+            where = "" if par.devices == 1 else f" per device with {par}"
+            raise ValueError(f"{key}: model {model.name} ({max(weights) / 1e9:.3g} GB of weights{where} in "
+                             f"{model.dtype}) does not fit hardware.mem_bytes x kv.memory_fraction "
+                             f"({usable / 1e9:.3g} GB); raise it, or set kv.num_blocks or kv.memory_bytes")
+    blocks = min(max(0, int(b // p)) for b, p in zip(budgets, per_block, strict=True))
     if blocks < 1:
-        raise ValueError(f"{key} leaves {budget:.3g} bytes of KV, which holds no block of {per_block:.3g} bytes")
+        raise ValueError(f"{key} leaves {min(budgets):.3g} bytes of KV, which holds no block of "
+                         f"{max(per_block):.3g} bytes")
     return blocks
 
 

@@ -22,6 +22,7 @@ from sim.cost.roofline import RooflineCostModel
 
 ESTIMATE_KEYS = ("batch_sizes", "context", "prefill_len", "memory_fraction", "json")
 ROOFLINE_KEYS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
+PARALLEL_ONLY = ("pp", "dp", "ep", "moe_imbalance", "network_dir")  # roofline keys the estimate leaves out
 
 
 def _step(lower: RooflineCostModel, est: RooflineCostModel, f: StepFeatures, tokens: int) -> dict[str, Any]:
@@ -155,6 +156,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"cost_model._target_={target!r}; the estimate needs a roofline cost model "
                          "(cost_model=roofline)")
     cm.pop("model", None), cm.pop("hardware", None)
+    for key in PARALLEL_ONLY:  # the estimate is of one tensor-parallel replica (docs/parallelism.md for the rest)
+        cm.pop(key, None)
     check_keys("cost_model", cm, ROOFLINE_KEYS)
     opts.pop("json", None)
     return estimate(as_model_spec(cfg.model), as_hardware_spec(cfg.hardware), **cm, **opts)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.disagg import PDServingLoop
 from core.host_tier import HostTierStats
@@ -71,7 +71,8 @@ def finish_run(run: RunConfig, loop: ServingLoop, result: RunResult, out_dir: st
     """How every finished run ends, whether it ran alone, interleaved with others or served over HTTP: refuse one
     that measured nothing, add the host-tier and PD sections, write the run directory; returns the metrics."""
     check_measured(run, result)
-    sections = {**host_tier_metrics(run, loop), **cost_model_metrics(loop), **(extra or {})}
+    sections = {**host_tier_metrics(run, loop), **cost_model_metrics(loop), **pipeline_metrics(loop, result),
+                **(extra or {})}
     return write_run_dir(run, result, out_dir, backend_label, sections, pd=pd_loop(loop))
 
 
@@ -88,6 +89,19 @@ def cost_model_metrics(loop: ServingLoop) -> dict[str, Any]:
             log.info(f"{c['priced_steps']} steps priced, some beyond the profiled grid (scaled by the roofline "
                      f"from its edge): {c['beyond_grid']}")
     return {"cost_model": seen[0] if len(seen) == 1 else seen}
+
+
+def pipeline_metrics(loop: ServingLoop, result: RunResult) -> dict[str, Any]:
+    """metrics.json's ``pipeline`` section for pipeline-parallel replicas (``sim.pipeline``): per replica, each
+    stage's busy and idle seconds over the run (the idle time is the bubble, with the idle gaps of a quiet
+    replica) and the micro-batches' time waiting for a busy stage; no key without pipelines."""
+    pipelines = list({id(p): p for ex in loop.executors if (p := getattr(ex, "pipeline", None)) is not None}.values())
+    if not pipelines:
+        return {}
+    span = float(result.end_s)
+    return {"pipeline": [{"stages": p.num_stages, "busy_s": p.busy_s, "idle_s": p.idle_s(span),
+                          "bubble_fraction": [i / span if span else 0.0 for i in p.idle_s(span)],
+                          "wait_s": p.wait_s} for p in pipelines]}
 
 
 def pd_loop(loop: ServingLoop) -> PDServingLoop | None:
@@ -138,6 +152,7 @@ def write_run_dir(run: RunConfig, result: RunResult, out_dir: str | Path, backen
     options = run_summary_options(run)
     metrics = summarize(result.states, **options, itl_pool=result.itl_pool)
     metrics.update(backend=label, num_steps=len(result.steps), **(extra or {}))
+    metrics["deployment"] = deployment_metrics(run, metrics.get("goodput_rps"))
     if pd is not None:
         metrics["pd"] = pd_metrics(run, pd)
     if label == "engine":
@@ -171,6 +186,18 @@ def parallel_columns(run: RunConfig) -> dict[str, int] | None:
     tensor- or expert-parallel ranks; none for one device, whose files stay as they were."""
     p = run.parallel
     return {"tp": p.tp, "ep": p.ep} if p.tp * p.ep > 1 else None
+
+
+def deployment_metrics(run: RunConfig, goodput_rps: float | None) -> dict[str, Any]:
+    """metrics.json's ``deployment`` section: the devices the run's replicas take (tp x pp x dp each), the price of
+    one device-hour (``hardware.price_per_hour``; 0: unknown), goodput per device and requests within the SLO per
+    dollar (goodput x 3600 / (devices x price); null without a price): what the deployment search ranks."""
+    devices = run.parallel.devices * run.cluster.num_replicas
+    price = run.hardware.price_per_hour
+    good = goodput_rps or 0.0
+    return {"parallel": asdict(run.parallel), "replicas": run.cluster.num_replicas, "devices": devices,
+            "price_per_hour": price, "goodput_rps_per_device": good / devices,
+            "goodput_per_dollar": good * 3600 / (devices * price) if price > 0 else None}
 
 
 def pd_metrics(run: RunConfig, loop: PDServingLoop) -> dict[str, Any]:
@@ -210,6 +237,12 @@ def same_files(a: str | Path, b: str | Path, names: Sequence[str] = COMPARED_FIL
 @hydra_app("config")
 def main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
+    if cfg.get("gpus") is not None:  # a deployment search trial (conf/sweep/deployment.yaml)
+        cfg = fill_replicas(cfg)
+        skipped = off_budget(cfg)
+        if skipped:
+            log.info(f"deployment search: {skipped}; objective 0")
+            return 0.0
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",
             "slo_attainment", "throughput_tok_s", "request_hit_rate")
@@ -218,6 +251,32 @@ def main(cfg: DictConfig) -> float | None:
     log.info(f"ttft p50/p90/p99 s: {ttft['p50']} / {ttft['p90']} / {ttft['p99']}")
     log.info(f"wrote {out_dir}")
     return objective(cfg, metrics)
+
+
+def fill_replicas(cfg: DictConfig) -> DictConfig:
+    """``replicas=auto`` in a deployment search: as many replicas as ``gpus`` holds (gpus / (tp x pp x dp)); left
+    as is when that does not divide (``off_budget`` then refuses the trial)."""
+    if str(cfg.get("replicas")) != "auto":
+        return cfg
+    par = cfg.parallel
+    per = int(par.tp) * int(par.pp) * int(par.dp)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.replicas = int(cfg.gpus) // per if int(cfg.gpus) % per == 0 else 0
+    return cfg
+
+
+def off_budget(cfg: DictConfig) -> str | None:
+    """Why a deployment-search trial is not a deployment of exactly ``gpus`` devices (replicas x tp x pp x dp), or
+    cannot be built (heads, experts, memory): the trial then scores 0 without running. None: run it."""
+    try:
+        rc = RunConfig.from_config(cfg)
+    except ValueError as e:
+        return str(e)
+    devices = rc.parallel.devices * rc.cluster.num_replicas
+    if devices != int(cfg.gpus):
+        return f"{devices} devices, not gpus={cfg.gpus}"
+    return "parallel.pp > 1 with parallel.dp > 1 is not simulated" if rc.parallel.pp > 1 < rc.parallel.dp else None
 
 
 def objective(cfg: DictConfig, metrics: Mapping[str, Any]) -> float | None:

@@ -22,8 +22,8 @@ from core.checks import check_keys
 from core.specs import HardwareSpec, ModelSpec
 from sim.cost.base import CostModel
 from sim.cost.linear import LinearCostModel
+from sim.cost.roofline import COMM, RooflineCostModel
 from sim.cost.roofline import PARAMS as ROOFLINE_PARAMS
-from sim.cost.roofline import RooflineCostModel
 
 Measurement = StepFeatures | Sequence[StepFeatures]
 LINEAR_TERMS = ("c0_s", "per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s", "per_kv_token_read_s",
@@ -206,7 +206,8 @@ def _roofline_terms(ref: RooflineCostModel, features: Sequence[Measurement],
             op = ref.ops(f)
             compute.append([op[g].flops / peak if g in op else 0.0 for g in groups])
             memory.append([op[g].bytes / bw if g in op else 0.0 for g in groups])
-            fixed.append(ref.breakdown(f)["allreduce"] if ops is None or "allreduce" in ops else 0.0)
+            parts = ref.breakdown(f)
+            fixed.append(sum(parts[k] for k in COMM) if ops is None or "allreduce" in ops else 0.0)
             owner.append(i)
     shape = (len(owner), len(groups))
     return _RooflineTerms(np.array(compute, float).reshape(shape), np.array(memory, float).reshape(shape),

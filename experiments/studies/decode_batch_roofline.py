@@ -46,7 +46,7 @@ def roofline_rows(cost: RooflineCostModel, batches, contexts, kv_capacity_tokens
             t = cost.breakdown(f)
             rows.append({"context": c, "batch": b,
                          "step_s": step_s[(b, c)] if step_s else cost.step_time(f),
-                         "weights_s": t["linear"] + t["lm_head"],  # every weight byte the step streams
+                         "weights_s": t["linear"] + t.get("moe", 0.0) + t["lm_head"],  # every weight byte streamed
                          "kv_s": t["attention_decode"], "weight_bytes": cost.weight_bytes_per_step,
                          "kv_bytes": cost.kv_bytes_per_token * b * c, "fits_memory": b * c <= kv_capacity_tokens})
             rows[-1]["tokens_per_s"] = b / rows[-1]["step_s"]
