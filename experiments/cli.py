@@ -33,6 +33,7 @@ COMMANDS = {
     "serve": "experiments.serving.serve", "loadgen": "experiments.serving.loadgen.run",
     "calibrate": "experiments.calibration.calibrate", "compare": "experiments.calibration.compare",
     "pipeline": "experiments.calibration.pipeline", "published": "experiments.calibration.published",
+    "fidelity": "experiments.calibration.fidelity",
     "study": "experiments.studies.study", "capacity": "experiments.studies.capacity",
     "quant_study": "experiments.studies.quant_study", "quant_quality": "experiments.studies.quant_quality",
     "sweep_report": "experiments.studies.sweep_report",

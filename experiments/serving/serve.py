@@ -82,7 +82,7 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
             await asyncio.get_running_loop().run_in_executor(None, write, False)
 
     async def on_startup(app: web.Application) -> None:
-        server.metrics = ServerMetrics(name, lambda: server.bridge.snapshot)
+        server.metrics = ServerMetrics(name, lambda: server.bridge.snapshot, run.kv.block_size)
         server.bridge = LoopThread(loop, RealTimeClock(), asyncio.get_running_loop(), server.metrics)
         server.bridge.start()
         tasks["flush"] = asyncio.create_task(flush_periodically())

@@ -7,7 +7,9 @@ requests.csv, tokens.csv and metrics.json as a simulated run (no steps.csv: a bl
 - ``bench_serve.json``: the same run in vLLM ``bench serve`` result form (``experiments.serving.bench_result``);
 - ``client.csv``: per request the scheduled and actual send times (s from the start), the HTTP status and the
   token counts the server reported in its usage block;
-- ``config.yaml`` (the resolved config) and ``latency_cdfs.png`` (``output.plots``).
+- ``config.yaml`` (the resolved config) and ``latency_cdfs.png`` (``output.plots``);
+- ``server_metrics.json``: the server's Prometheus ``/metrics`` before and after the run, their difference and a
+  summary (KV block count, queue / prefill / decode time per request), when it has one (``loadgen.scrape``).
 
 Prompts: a request of n prompt tokens is sent as exactly n token ids (``target.prompt_mode=tokens``: its
 ``prompt_token_ids``, else ``core.prompt.materialize``'s deterministic ids, the ones our engine runs, so requests
@@ -59,6 +61,7 @@ from core.request import Request, RequestState
 from core.specs import ModelSpec
 from experiments.cli import hydra_app
 from experiments.config import MetricsConfig, OutputConfig, plain, section
+from experiments.serving.loadgen import scrape
 from experiments.serving.loadgen.client import CLIENT_COLUMNS, ClientRecord, LoadGen
 from experiments.serving.loadgen.prompts import build_prompts
 from experiments.serving.loadgen.target import Target
@@ -105,7 +108,9 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
         workload = _Fixed(workload, requests)
     gen = (client or LoadGen)(workload, target, prompts, progress=output.show_progress,
                               total=_known_total(workload, requests))
+    before = scrape.scrape(target.url)  # the server's telemetry around the run (None: it has no /metrics)
     res = gen.run()
+    after = scrape.scrape(target.url) if before is not None else None
 
     metrics = summarize(res.states, **options)
     lags = res.send_lags_s
@@ -127,6 +132,7 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
         "client.csv": _client_csv(res.records),
         "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
     }, timing={"wall_s": res.wall_s})
+    scrape.write(out, before, after)
     if output.plots:
         from core.output import read_metrics, read_requests_csv, read_tokens_csv
         from experiments import plots
