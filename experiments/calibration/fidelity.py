@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.checks import check_int
 from core.output import read_metrics
 from experiments.cli import hydra_app
+from experiments.config import plain
 from experiments.overrides import apply_overrides
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ def run_config(cfg: DictConfig, overrides: Sequence[str], rep: int) -> DictConfi
     """One measurement's config: the workload overrides, ``seed`` = round (prompt content), the workload's own seed
     kept as the overrides fix it (the request list); no plots or progress bar."""
     out = apply_overrides(cfg, [*overrides, "output.plots=false", "output.progress=false"])
+    if "max_model_len" in out.workload and OmegaConf.select(out, "model.max_model_len") is None:
+        from core.specs import ModelSpec  # a checkpoint's length is in its config.json, not in the model section
+
+        out.workload.max_model_len = ModelSpec.from_config(plain(out.model)).max_model_len
     out.workload.seed = OmegaConf.select(out, "workload.seed")  # resolved now: `seed` below leaves the list alone
     out.seed = rep
     return out
@@ -67,6 +72,10 @@ def measure(cfg: DictConfig, out: Path) -> Path:
     f = cfg.fidelity
     profiles, workloads = _names(f)
     reps = check_int(f.repeats, "fidelity.repeats", 1)
+    from experiments.build import build_workload
+
+    for name in [*profiles, *workloads]:  # every workload is built once first: a bad one fails before measuring
+        build_workload(run_config(cfg, list((f.profiles if name in profiles else f.workloads)[name]), 0).workload)
     for rep in range(reps):
         for name in [*profiles, *workloads]:
             overrides = (f.profiles if name in profiles else f.workloads)[name]

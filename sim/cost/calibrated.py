@@ -24,7 +24,7 @@ from sim.cost.linear import LinearCostModel
 from sim.cost.roofline import PARAMS as ROOFLINE_PARAMS
 from sim.cost.roofline import TARGET as ROOFLINE_TARGET
 from sim.cost.roofline import RooflineCostModel
-from sim.cost.server import ServerTerms, with_server_terms
+from sim.cost.server import ServerCostModel, ServerTerms, with_server_terms
 from sim.fit import FitReport
 
 
@@ -103,7 +103,7 @@ def calibrated_frontend_delay(path: str | Path) -> float:
 
 def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | None = None,
                      hardware: HardwareSpec | Mapping[str, Any] | None = None,
-                     allow_mismatch: bool = False) -> Any:
+                     allow_mismatch: bool = False) -> LinearCostModel | RooflineCostModel | ServerCostModel:
     """The cost model a calibration file describes; a roofline file needs ``model`` and ``hardware`` (it
     interpolates the run's) unless it spells them out. A file fitted for another model or hardware than the
     run's is refused (its step times would silently be another machine's) unless ``allow_mismatch``. A file with
