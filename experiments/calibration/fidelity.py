@@ -7,8 +7,9 @@ the server comes to itself.
    the prompt *content* follows the round (``seed`` = round), so a prefix cache never serves a repeat. The profiles'
    medians per round (isolated TTFT, decode ITL) are the machine's drift across the measurement.
 2. **Base model**: ``experiments.calibrate`` on the profiling runs (request-level, ``calibrate.runs``) of round 0.
-3. **Fit by simulation** (``experiments.calibration.simfit``) on each pair's training workload (its round
-   ``fidelity.train_repeat``): the base model's prefill / decode scales and the server terms (``sim.cost.server``).
+3. **Fit by simulation** (``experiments.calibration.simfit``) on each pair's training workload (the median
+   quantiles of all its rounds, or round ``fidelity.train_repeat``): the base model's prefill / decode scales and
+   the server terms (``sim.cost.server``). The held-out workloads' measurements take no part.
 4. **Predict** each pair's held-out workload with that calibration (and with the base model, for contrast), the
    simulator given the server's KV pool from its telemetry; compare with every round's measurement.
 
@@ -175,8 +176,10 @@ def fidelity(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                                "drift": drift(measured, profiles), "results": {}}
     labels = ["sim-fit", "base"]
     for train, held in f.pairs:
-        train_dir = runs_of(measured, train)[check_int(f.train_repeat, "fidelity.train_repeat", 0)]
-        fit = simfit.fit(cfg, train_dir, base_path, out / "fits" / train, f.fit)
+        train_runs = runs_of(measured, train)
+        if f.train_repeat != "all":
+            train_runs = [train_runs[check_int(f.train_repeat, "fidelity.train_repeat", 0)]]
+        fit = simfit.fit(cfg, train_runs, base_path, out / "fits" / train, f.fit)
         held_runs = runs_of(measured, held)
         predicted = {}
         for label, cal in (("sim-fit", fit["path"]), ("base", base_path)):

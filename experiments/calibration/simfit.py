@@ -10,6 +10,8 @@ subset may be fitted, the rest stay at their start):
 
 - ``prefill_scale`` / ``decode_scale``: multiply the base linear model's prefill terms (per prefill token, attention
   pair, prefill context token) / decode terms (per decode sequence, KV token read); start 1;
+- ``per_prefill_token_s``: added to the base's per-prefill-token cost (a request-level base fit on noisy profiles
+  can put a prefill's cost into the intercept, which a scale cannot move into mixed steps); start 0;
 - ``per_step_s``, ``per_running_seq_s``, ``per_output_token_s``, ``overlap`` (``sim.cost.server.ServerTerms``); start 0;
 - ``frontend_delay_s``: the per-request front-end time; start at the base file's.
 
@@ -44,7 +46,8 @@ METRICS = ("ttft", "tpot", "itl")
 PREFILL_TERMS = ("per_prefill_token_s", "per_attention_pair_s", "per_prefill_context_token_s")
 DECODE_TERMS = ("per_decode_seq_s", "per_kv_token_read_s")
 # (low, high) of each parameter
-PARAMS = {"prefill_scale": (0.3, 3.0), "decode_scale": (0.3, 3.0), "per_step_s": (0.0, 0.05),
+PARAMS = {"prefill_scale": (0.3, 3.0), "decode_scale": (0.3, 3.0), "per_prefill_token_s": (0.0, 1e-3),
+          "per_step_s": (0.0, 0.05),
           "per_running_seq_s": (0.0, 0.004), "per_output_token_s": (0.0, 0.004), "overlap": (0.0, 1.0),
           "frontend_delay_s": (0.0, 0.3)}
 
@@ -129,7 +132,8 @@ def scaled(base: LinearCostModel, prefill_scale: float, decode_scale: float) -> 
 
 def candidate(base: LinearCostModel, p: Mapping[str, float]) -> tuple[Any, ServerTerms]:
     terms = ServerTerms(**{k: p[k] for k in ("per_step_s", "per_running_seq_s", "per_output_token_s", "overlap")})
-    return scaled(base, p["prefill_scale"], p["decode_scale"]), terms
+    model = scaled(base, p["prefill_scale"], p["decode_scale"])
+    return replace(model, per_prefill_token_s=model.per_prefill_token_s + p["per_prefill_token_s"]), terms
 
 
 class Simulator:
@@ -158,10 +162,19 @@ def base_model(base_path: str | Path) -> LinearCostModel:
     return m
 
 
-def fit(cfg: DictConfig, train_dir: str | Path, base_path: str | Path, out_dir: str | Path,
+def measured_quantiles(run_dirs: Sequence[str | Path]) -> dict[str, np.ndarray]:
+    """Each metric's quantiles, the median over runs of the same request list (one run: its own): repeated
+    measurements of a noisy server are fitted at their middle, not at one draw."""
+    per_run = [quantiles(measured_arrays(d)) for d in run_dirs]
+    return {m: np.median(np.stack([q[m] for q in per_run]), axis=0) for m in METRICS}
+
+
+def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path: str | Path, out_dir: str | Path,
         options: Mapping[str, Any]) -> dict[str, Any]:
-    """Fit on ``train_dir`` (a loadgen run) starting from ``base_path`` (a linear calibration); writes
-    ``out_dir/calibrated.yaml`` and ``simfit.json``; returns simfit.json's dict (``path``: the calibration)."""
+    """Fit on ``train_dir`` (a loadgen run, or several of the same request list: their median quantiles) starting
+    from ``base_path`` (a linear calibration); writes ``out_dir/calibrated.yaml`` and ``simfit.json``; returns
+    simfit.json's dict (``path``: the calibration). ``options``: ``params`` (names of ``PARAMS``), ``max_evals``
+    (simulations per Powell pass), ``passes`` (Powell restarts from the best point)."""
     from scipy.optimize import minimize
 
     out = Path(out_dir)
@@ -170,12 +183,14 @@ def fit(cfg: DictConfig, train_dir: str | Path, base_path: str | Path, out_dir: 
     unknown = sorted(set(names) - set(PARAMS))
     if unknown:
         raise ValueError(f"fidelity.fit.params: unknown {unknown}; allowed: {list(PARAMS)}")
-    max_evals = int(options.get("max_evals", 250))
+    max_evals, passes = int(options.get("max_evals", 250)), int(options.get("passes", 1))
     base = base_model(base_path)
-    start = {"prefill_scale": 1.0, "decode_scale": 1.0, "per_step_s": 0.0, "per_running_seq_s": 0.0,
-             "per_output_token_s": 0.0, "overlap": 0.0, "frontend_delay_s": calibrated_frontend_delay(base_path)}
-    meas_q = quantiles(measured_arrays(train_dir))
-    sim = Simulator(measured_cfg(cfg, train_dir), base_path)
+    start = {"prefill_scale": 1.0, "decode_scale": 1.0, "per_prefill_token_s": 0.0, "per_step_s": 0.0,
+             "per_running_seq_s": 0.0, "per_output_token_s": 0.0, "overlap": 0.0,
+             "frontend_delay_s": calibrated_frontend_delay(base_path)}
+    train = [train_dir] if isinstance(train_dir, str | Path) else list(train_dir)
+    meas_q = measured_quantiles(train)
+    sim = Simulator(measured_cfg(cfg, train[0]), base_path)
     evals: list[float] = []
 
     def params_of(x: np.ndarray) -> dict[str, float]:
@@ -195,16 +210,19 @@ def fit(cfg: DictConfig, train_dir: str | Path, base_path: str | Path, out_dir: 
     x0 = np.array([(min(max(start[k], PARAMS[k][0]), PARAMS[k][1]) - PARAMS[k][0]) / (PARAMS[k][1] - PARAMS[k][0])
                    for k in names])
     before = objective(x0)
-    res = minimize(objective, x0, method="Powell", bounds=[(0.0, 1.0)] * len(names),
-                   options={"maxfev": max_evals, "xtol": 1e-3, "ftol": 1e-4})
-    best = params_of(res.x)
+    x = x0
+    for _ in range(max(passes, 1)):
+        x = minimize(objective, x, method="Powell", bounds=[(0.0, 1.0)] * len(names),
+                     options={"maxfev": max_evals, "xtol": 1e-3, "ftol": 1e-4}).x
+    best = params_of(x)
     model, terms = candidate(base, best)
     after_q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), best["frontend_delay_s"])))
-    note = (f"simulation fit (experiments.calibration.simfit) on {train_dir}: {len(evals)} simulations, loss "
+    note = (f"simulation fit (experiments.calibration.simfit) on {[str(t) for t in train]}: {len(evals)} "
+            f"simulations, loss "
             f"{before:.4f} -> {loss(after_q, meas_q):.4f}; base {base_path}")
     path = write_calibration(out / "calibrated.yaml", model, note=note, fitted_for=_fitted_for(base_path),
                              frontend_delay_s=best["frontend_delay_s"], server_terms=terms)
-    report = {"path": str(path), "train": str(train_dir), "base": str(base_path), "params": best,
+    report = {"path": str(path), "train": [str(t) for t in train], "base": str(base_path), "params": best,
               "fitted": names, "num_simulations": len(evals), "loss_before": before,
               "loss_after": loss(after_q, meas_q), "quantiles": list(QUANTILES),
               "train_error": {m: ((after_q[m] - meas_q[m]) / meas_q[m]).tolist() for m in METRICS}}
