@@ -72,3 +72,24 @@ def test_spread_rows_by_hand():
     assert strict[0]["spread"] == 0 and not strict[0]["sim-fit"]["pass"]  # one round: the tolerance decides
     text = markdown({"held": {"train": "t", "rows": rows}}, ["sim-fit", "base"])
     assert "+25.0%" in text and "40.0%" in text
+
+
+def test_calibrate_simulate_runs_writes_a_simulated_calibration(tmp_path):
+    from experiments.calibration.calibrate import calibrate
+
+    cfg = cfg_with()
+    truth = write_calibration(tmp_path / "truth.yaml", BASE, server_terms=ServerTerms(per_running_seq_s=6e-4))
+    plain = write_calibration(tmp_path / "plain.yaml", BASE)
+    run(with_calibration(cfg, plain), tmp_path / "steps")  # its steps.csv: the base fit's data (BASE exactly)
+    run(with_calibration(cfg, truth), tmp_path / "loaded")
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        ccfg = compose("calibrate", overrides=["workload.num_requests=30", "workload.arrival.rate_rps=20",
+                                               "calibrate.profile=false", f"calibrate.steps=[{tmp_path / 'steps'}]",
+                                               "calibrate.fits=[linear]", "calibrate.plot=false",
+                                               f"calibrate.simulate_runs=[{tmp_path / 'loaded'}]",
+                                               "calibrate.simulate.params=[per_running_seq_s]",
+                                               "calibrate.simulate.max_evals=30", "calibrate.simulate.passes=1"])
+    cal = calibrate(ccfg, tmp_path / "cal")
+    got = load_calibration(cal.paths["simulated"])
+    assert isinstance(got, ServerCostModel)
+    assert got.terms.per_running_seq_s == pytest.approx(6e-4, rel=0.1)
