@@ -13,7 +13,12 @@ subset may be fitted, the rest stay at their start):
 - ``per_prefill_token_s``: added to the base's per-prefill-token cost (a request-level base fit on noisy profiles
   can put a prefill's cost into the intercept, which a scale cannot move into mixed steps); start 0;
 - ``per_step_s``, ``per_running_seq_s``, ``per_output_token_s``, ``overlap`` (``sim.cost.server.ServerTerms``); start 0;
-- ``frontend_delay_s``: the per-request front-end time; start at the base file's.
+- ``frontend_delay_s``: the per-request front-end time; start at the base file's;
+- ``noise_sigma``: the machine's step-time variability (``sim.noise``) for a server whose steps are not seen: a
+  seeded standard-normal z (``NOISE_STEPS`` values, blocks of ``block_steps`` = ``NOISE_BLOCK_STEPS`` steps by
+  default), each step's time times exp(sigma z) / mean (its mean stays the model's). A deterministic simulation
+  gives narrow latency distributions; a loaded shared box spreads them (slow stretches), which this term carries.
+  Start 0; the calibration file records it as its ``step_noise`` section, which a simulation with it replays.
 
 Optimiser: scipy's bounded Powell on the parameters scaled to [0, 1] (deterministic: the simulation has no noise
 here, the same parameters give the same loss), at most ``max_evals`` simulations; a minute-long run simulates in
@@ -49,7 +54,9 @@ DECODE_TERMS = ("per_decode_seq_s", "per_kv_token_read_s")
 PARAMS = {"prefill_scale": (0.3, 3.0), "decode_scale": (0.3, 3.0), "per_prefill_token_s": (0.0, 1e-3),
           "per_step_s": (0.0, 0.05),
           "per_running_seq_s": (0.0, 0.004), "per_output_token_s": (0.0, 0.004), "overlap": (0.0, 1.0),
-          "frontend_delay_s": (0.0, 0.3)}
+          "frontend_delay_s": (0.0, 0.3), "noise_sigma": (0.0, 0.8)}
+NOISE_STEPS = 4096  # synthetic standard-normal z of the fitted step noise (seeded by fidelity.fit.seed)
+NOISE_BLOCK_STEPS = 16  # consecutive steps sharing a slow stretch (a second or so of a loaded CPU server)
 
 
 # ---- the measured run ---------------------------------------------------------------------------------------------
@@ -144,14 +151,29 @@ class Simulator:
 
         self.run = RunConfig.from_config(with_calibration(cfg, base_path))
 
-    def states(self, model: Any, frontend_delay_s: float) -> list[Any]:
+    def states(self, model: Any, frontend_delay_s: float, noise: Mapping[str, Any] | None = None) -> list[Any]:
         from experiments.build import build_loop
         from sim.clock import run_virtual
         from sim.executor import CostModelExecutor
+        from sim.noise import StepNoise
 
         run = replace(self.run, frontend_delay_s=frontend_delay_s)
-        loop = build_loop(run, lambda replicas: [CostModelExecutor(model) for _ in replicas])
-        return run_virtual(loop).states
+
+        def executors(replicas: Sequence[Any]) -> list[CostModelExecutor]:
+            return [CostModelExecutor(model, noise=None if noise is None else StepNoise.from_mapping(
+                noise, [run.sim.noise_seed, r.index])) for r in replicas]
+
+        return run_virtual(build_loop(run, executors)).states
+
+
+def noise_record(sigma: float, block_steps: int = NOISE_BLOCK_STEPS, seed: int = 0) -> dict[str, Any] | None:
+    """A ``step_noise`` section (``sim.noise``) of standard-normal z scaled by ``sigma`` (None when 0)."""
+    if sigma <= 0:
+        return None
+    z = np.random.default_rng([seed, 0x2015E]).standard_normal(NOISE_STEPS)
+    z = (z - z.mean()) / z.std()
+    return {"block_steps": int(block_steps), "num_steps": NOISE_STEPS, "sigma_all": float(sigma), "sigma": {},
+            "source": f"simfit: seeded N(0, 1) (seed {seed}), sigma fitted", "z": np.round(z, 4).tolist()}
 
 
 def base_model(base_path: str | Path) -> LinearCostModel:
@@ -184,10 +206,11 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     if unknown:
         raise ValueError(f"fidelity.fit.params: unknown {unknown}; allowed: {list(PARAMS)}")
     max_evals, passes = int(options.get("max_evals", 250)), int(options.get("passes", 1))
+    seed, block = int(options.get("seed", 0)), int(options.get("noise_block_steps") or NOISE_BLOCK_STEPS)
     base = base_model(base_path)
     start = {"prefill_scale": 1.0, "decode_scale": 1.0, "per_prefill_token_s": 0.0, "per_step_s": 0.0,
              "per_running_seq_s": 0.0, "per_output_token_s": 0.0, "overlap": 0.0,
-             "frontend_delay_s": calibrated_frontend_delay(base_path)}
+             "frontend_delay_s": calibrated_frontend_delay(base_path), "noise_sigma": 0.0}
     train = [train_dir] if isinstance(train_dir, str | Path) else list(train_dir)
     meas_q = measured_quantiles(train)
     sim = Simulator(measured_cfg(cfg, train[0]), base_path)
@@ -203,7 +226,8 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     def objective(x: np.ndarray) -> float:
         p = params_of(x)
         model, terms = candidate(base, p)
-        q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), p["frontend_delay_s"])))
+        q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), p["frontend_delay_s"],
+                                              noise_record(p["noise_sigma"], block, seed))))
         evals.append(loss(q, meas_q))
         return evals[-1]
 
@@ -216,12 +240,13 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
                      options={"maxfev": max_evals, "xtol": 1e-3, "ftol": 1e-4}).x
     best = params_of(x)
     model, terms = candidate(base, best)
-    after_q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), best["frontend_delay_s"])))
+    noise = noise_record(best["noise_sigma"], block, seed)
+    after_q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), best["frontend_delay_s"], noise)))
     note = (f"simulation fit (experiments.calibration.simfit) on {[str(t) for t in train]}: {len(evals)} "
             f"simulations, loss "
             f"{before:.4f} -> {loss(after_q, meas_q):.4f}; base {base_path}")
     path = write_calibration(out / "calibrated.yaml", model, note=note, fitted_for=_fitted_for(base_path),
-                             frontend_delay_s=best["frontend_delay_s"], server_terms=terms)
+                             frontend_delay_s=best["frontend_delay_s"], server_terms=terms, step_noise=noise)
     report = {"path": str(path), "train": [str(t) for t in train], "base": str(base_path), "params": best,
               "fitted": names, "num_simulations": len(evals), "loss_before": before,
               "loss_after": loss(after_q, meas_q), "quantiles": list(QUANTILES),
@@ -240,9 +265,9 @@ def _fitted_for(path: str | Path) -> tuple[str, str] | None:
 def simulate_measured(cfg: DictConfig, run_dir: str | Path, calibration: str | Path, out_dir: str | Path
                       ) -> dict[str, Any]:
     """The simulator with ``calibration`` on a measured run's workload and the server's KV pool: a run directory in
-    ``out_dir``; returns its metrics."""
-    from experiments.run import run
+    ``out_dir``; returns its metrics (with the file's step noise: the median over ``compare.noise_draws`` draws,
+    ``experiments.calibration.draws``)."""
+    from experiments.calibration.draws import simulate_draws
 
     sim_cfg = with_calibration(measured_cfg(cfg, run_dir), calibration)
-    sim_cfg = apply_overrides(sim_cfg, ["output.plots=false", "backend.step_noise=false"])
-    return run(sim_cfg, out_dir)
+    return simulate_draws(apply_overrides(sim_cfg, ["output.plots=false"]), Path(out_dir))[0]

@@ -93,3 +93,17 @@ def test_calibrate_simulate_runs_writes_a_simulated_calibration(tmp_path):
     got = load_calibration(cal.paths["simulated"])
     assert isinstance(got, ServerCostModel)
     assert got.terms.per_running_seq_s == pytest.approx(6e-4, rel=0.1)
+
+
+def test_fitted_step_noise_widens_the_simulated_spread_and_keeps_the_mean(tmp_path):
+    from sim.noise import StepNoise
+
+    assert simfit.noise_record(0.0) is None
+    rec = simfit.noise_record(0.4, block_steps=8, seed=3)
+    f = StepNoise.from_mapping(rec, [0, 0]).factors(0, 4000, "decode")
+    assert f.mean() == pytest.approx(1.0, abs=0.05) and f.std() > 0.3
+    cfg = cfg_with()
+    sim = simfit.Simulator(cfg, write_calibration(tmp_path / "b.yaml", BASE))
+    quiet = simfit.state_arrays(sim.states(BASE, 0.0))["itl"]
+    noisy = simfit.state_arrays(sim.states(BASE, 0.0, rec))["itl"]
+    assert np.std(np.log(noisy)) > np.std(np.log(quiet)) + 0.1
