@@ -259,7 +259,7 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
         if "linear" not in paths:
             raise ValueError("calibrate.simulate_runs starts from the linear fit; keep linear in calibrate.fits")
         rep = simfit.fit(cfg, [str(r) for r in c.simulate_runs], paths["linear"], out / "simulated",
-                         c.get("simulate") or {})
+                         c.get("simulate") or {}, anchors=[[str(r)] for r in c.get("runs") or []])
         paths["simulated"] = Path(rep["path"])
         summary["simulated"] = {k: rep[k] for k in ("path", "train", "params", "loss_before", "loss_after",
                                                     "num_simulations")}

@@ -9,7 +9,9 @@ the server comes to itself.
 2. **Base model**: ``experiments.calibrate`` on the profiling runs (request-level, ``calibrate.runs``) of round 0.
 3. **Fit by simulation** (``experiments.calibration.simfit``) on each pair's training workload (the median
    quantiles of all its rounds, or round ``fidelity.train_repeat``): the base model's prefill / decode scales and
-   the server terms (``sim.cost.server``). The held-out workloads' measurements take no part.
+   the server terms (``sim.cost.server``), with the profiling runs simulated and fitted alongside
+   (``fidelity.profile_anchors``: they pin the prefill and decode costs a single workload cannot separate). The
+   held-out workloads' measurements take no part.
 4. **Predict** each pair's held-out workload with that calibration (and with the base model, for contrast), the
    simulator given the server's KV pool from its telemetry; compare with every round's measurement.
 
@@ -179,7 +181,8 @@ def fidelity(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
         train_runs = runs_of(measured, train)
         if f.train_repeat != "all":
             train_runs = [train_runs[check_int(f.train_repeat, "fidelity.train_repeat", 0)]]
-        fit = simfit.fit(cfg, train_runs, base_path, out / "fits" / train, f.fit)
+        anchors = [runs_of(measured, p) for p in profiles] if f.get("profile_anchors", True) else []
+        fit = simfit.fit(cfg, train_runs, base_path, out / "fits" / train, f.fit, anchors)
         held_runs = runs_of(measured, held)
         predicted = {}
         for label, cal in (("sim-fit", fit["path"]), ("base", base_path)):

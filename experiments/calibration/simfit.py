@@ -192,11 +192,14 @@ def measured_quantiles(run_dirs: Sequence[str | Path]) -> dict[str, np.ndarray]:
 
 
 def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path: str | Path, out_dir: str | Path,
-        options: Mapping[str, Any]) -> dict[str, Any]:
+        options: Mapping[str, Any], anchors: Sequence[Sequence[str | Path]] = ()) -> dict[str, Any]:
     """Fit on ``train_dir`` (a loadgen run, or several of the same request list: their median quantiles) starting
     from ``base_path`` (a linear calibration); writes ``out_dir/calibrated.yaml`` and ``simfit.json``; returns
     simfit.json's dict (``path``: the calibration). ``options``: ``params`` (names of ``PARAMS``), ``max_evals``
-    (simulations per Powell pass), ``passes`` (Powell restarts from the best point)."""
+    (simulations per Powell pass), ``passes`` (Powell restarts from the best point), ``seed`` and
+    ``noise_block_steps`` (the fitted step noise). ``anchors``: more groups of runs (each one request list, e.g.
+    the profiling runs) simulated and fitted alongside, the loss the mean over groups: a loaded workload alone
+    (short prompts, long answers) cannot tell a prefill's cost, which its extrapolation to other prompts needs."""
     from scipy.optimize import minimize
 
     out = Path(out_dir)
@@ -212,9 +215,17 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
              "per_running_seq_s": 0.0, "per_output_token_s": 0.0, "overlap": 0.0,
              "frontend_delay_s": calibrated_frontend_delay(base_path), "noise_sigma": 0.0}
     train = [train_dir] if isinstance(train_dir, str | Path) else list(train_dir)
-    meas_q = measured_quantiles(train)
-    sim = Simulator(measured_cfg(cfg, train[0]), base_path)
+    groups = [train, *(list(g) for g in anchors)]
+    targets = [(Simulator(measured_cfg(cfg, g[0]), base_path), measured_quantiles(g)) for g in groups]
     evals: list[float] = []
+
+    def group_losses(model: Any, p: Mapping[str, float]) -> list[tuple[float, dict[str, np.ndarray]]]:
+        noise = noise_record(p["noise_sigma"], block, seed)
+        out = []
+        for sim, meas_q in targets:
+            q = quantiles(state_arrays(sim.states(model, p["frontend_delay_s"], noise)))
+            out.append((loss(q, meas_q), q))
+        return out
 
     def params_of(x: np.ndarray) -> dict[str, float]:
         p = dict(start)
@@ -226,9 +237,7 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     def objective(x: np.ndarray) -> float:
         p = params_of(x)
         model, terms = candidate(base, p)
-        q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), p["frontend_delay_s"],
-                                              noise_record(p["noise_sigma"], block, seed))))
-        evals.append(loss(q, meas_q))
+        evals.append(float(np.mean([g[0] for g in group_losses(with_server_terms(model, terms), p)])))
         return evals[-1]
 
     x0 = np.array([(min(max(start[k], PARAMS[k][0]), PARAMS[k][1]) - PARAMS[k][0]) / (PARAMS[k][1] - PARAMS[k][0])
@@ -241,16 +250,19 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     best = params_of(x)
     model, terms = candidate(base, best)
     noise = noise_record(best["noise_sigma"], block, seed)
-    after_q = quantiles(state_arrays(sim.states(with_server_terms(model, terms), best["frontend_delay_s"], noise)))
-    note = (f"simulation fit (experiments.calibration.simfit) on {[str(t) for t in train]}: {len(evals)} "
-            f"simulations, loss "
-            f"{before:.4f} -> {loss(after_q, meas_q):.4f}; base {base_path}")
+    final = group_losses(with_server_terms(model, terms), best)
+    after = float(np.mean([g[0] for g in final]))
+    note = (f"simulation fit (experiments.calibration.simfit) on {[str(t) for t in train]}"
+            + (f" with {len(anchors)} anchor group(s)" if anchors else "")
+            + f": {len(evals)} simulations, loss {before:.4f} -> {after:.4f}; base {base_path}")
     path = write_calibration(out / "calibrated.yaml", model, note=note, fitted_for=_fitted_for(base_path),
                              frontend_delay_s=best["frontend_delay_s"], server_terms=terms, step_noise=noise)
     report = {"path": str(path), "train": [str(t) for t in train], "base": str(base_path), "params": best,
-              "fitted": names, "num_simulations": len(evals), "loss_before": before,
-              "loss_after": loss(after_q, meas_q), "quantiles": list(QUANTILES),
-              "train_error": {m: ((after_q[m] - meas_q[m]) / meas_q[m]).tolist() for m in METRICS}}
+              "anchors": [[str(d) for d in g] for g in anchors],
+              "fitted": names, "num_simulations": len(evals), "loss_before": before, "loss_after": after,
+              "group_loss_after": [g[0] for g in final], "quantiles": list(QUANTILES),
+              "train_error": {m: ((final[0][1][m] - targets[0][1][m]) / targets[0][1][m]).tolist()
+                              for m in METRICS}}
     (out / "simfit.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
