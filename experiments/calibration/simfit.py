@@ -8,8 +8,9 @@ Here the simulator runs the training run's own request list (arrivals, lengths; 
 squared log ratio of simulated to measured quantiles (``QUANTILES``) of each metric. Parameters (``PARAMS``, any
 subset may be fitted, the rest stay at their start):
 
-- ``prefill_scale`` / ``decode_scale``: multiply the base linear model's prefill terms (per prefill token, attention
-  pair, prefill context token) / decode terms (per decode sequence, KV token read); start 1;
+- ``prefill_scale`` / ``decode_scale`` / ``context_scale``: multiply the base linear model's prefill terms (per
+  prefill token, attention pair, prefill context token) / per decode sequence / per KV token a decode reads (a
+  workload of short contexts cannot tell the last two apart, a base fit on noisy profiles often mixes them); start 1;
 - ``per_prefill_token_s``: added to the base's per-prefill-token cost (a request-level base fit on noisy profiles
   can put a prefill's cost into the intercept, which a scale cannot move into mixed steps); start 0;
 - ``per_step_s``, ``per_running_seq_s``, ``per_output_token_s``, ``overlap`` (``sim.cost.server.ServerTerms``); start 0;
@@ -49,9 +50,11 @@ from sim.cost.server import ServerTerms, with_server_terms
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 METRICS = ("ttft", "tpot", "itl")
 PREFILL_TERMS = ("per_prefill_token_s", "per_attention_pair_s", "per_prefill_context_token_s")
-DECODE_TERMS = ("per_decode_seq_s", "per_kv_token_read_s")
+DECODE_TERMS = ("per_decode_seq_s",)
+CONTEXT_TERMS = ("per_kv_token_read_s",)
 # (low, high) of each parameter
-PARAMS = {"prefill_scale": (0.3, 3.0), "decode_scale": (0.3, 3.0), "per_prefill_token_s": (0.0, 1e-3),
+PARAMS = {"prefill_scale": (0.3, 3.0), "decode_scale": (0.3, 3.0), "context_scale": (0.1, 3.0),
+          "per_prefill_token_s": (0.0, 1e-3),
           "per_step_s": (0.0, 0.05),
           "per_running_seq_s": (0.0, 0.004), "per_output_token_s": (0.0, 0.004), "overlap": (0.0, 1.0),
           "frontend_delay_s": (0.0, 0.3), "noise_sigma": (0.0, 0.8)}
@@ -131,15 +134,17 @@ def loss(sim_q: Mapping[str, np.ndarray], meas_q: Mapping[str, np.ndarray]) -> f
 
 
 # ---- candidate models --------------------------------------------------------------------------------------------
-def scaled(base: LinearCostModel, prefill_scale: float, decode_scale: float) -> LinearCostModel:
+def scaled(base: LinearCostModel, prefill_scale: float, decode_scale: float,
+           context_scale: float = 1.0) -> LinearCostModel:
     kw = {k: getattr(base, k) * prefill_scale for k in PREFILL_TERMS}
     kw.update({k: getattr(base, k) * decode_scale for k in DECODE_TERMS})
+    kw.update({k: getattr(base, k) * context_scale for k in CONTEXT_TERMS})
     return replace(base, **kw)
 
 
 def candidate(base: LinearCostModel, p: Mapping[str, float]) -> tuple[Any, ServerTerms]:
     terms = ServerTerms(**{k: p[k] for k in ("per_step_s", "per_running_seq_s", "per_output_token_s", "overlap")})
-    model = scaled(base, p["prefill_scale"], p["decode_scale"])
+    model = scaled(base, p["prefill_scale"], p["decode_scale"], p["context_scale"])
     return replace(model, per_prefill_token_s=model.per_prefill_token_s + p["per_prefill_token_s"]), terms
 
 
@@ -211,8 +216,8 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     max_evals, passes = int(options.get("max_evals", 250)), int(options.get("passes", 1))
     seed, block = int(options.get("seed", 0)), int(options.get("noise_block_steps") or NOISE_BLOCK_STEPS)
     base = base_model(base_path)
-    start = {"prefill_scale": 1.0, "decode_scale": 1.0, "per_prefill_token_s": 0.0, "per_step_s": 0.0,
-             "per_running_seq_s": 0.0, "per_output_token_s": 0.0, "overlap": 0.0,
+    start = {"prefill_scale": 1.0, "decode_scale": 1.0, "context_scale": 1.0, "per_prefill_token_s": 0.0,
+             "per_step_s": 0.0, "per_running_seq_s": 0.0, "per_output_token_s": 0.0, "overlap": 0.0,
              "frontend_delay_s": calibrated_frontend_delay(base_path), "noise_sigma": 0.0}
     train = [train_dir] if isinstance(train_dir, str | Path) else list(train_dir)
     groups = [train, *(list(g) for g in anchors)]
