@@ -36,6 +36,7 @@ COMMANDS = {
     "calibrate": "experiments.calibration.calibrate", "compare": "experiments.calibration.compare",
     "pipeline": "experiments.calibration.pipeline", "published": "experiments.calibration.published",
     "op_errors": "experiments.calibration.op_errors",
+    "fidelity": "experiments.calibration.fidelity",
     "study": "experiments.studies.study", "capacity": "experiments.studies.capacity",
     "quant_study": "experiments.studies.quant_study", "quant_quality": "experiments.studies.quant_quality",
     "sweep_report": "experiments.studies.sweep_report",

@@ -17,6 +17,10 @@ efficiencies, and the output directory gets:
   ``python -m experiments.run cost_model=calibrated cost_model.path=<dir>/linear.yaml``
 - ``linear.report.json`` / ``roofline.report.json`` and ``fit_report.json`` (both fits, per shape group, and the
   linear model's 5-fold cross-validated relative error)
+- with ``calibrate.simulate_runs=[run_dir, ...]`` (loaded loadgen runs of one request list): ``simulated/
+  calibrated.yaml``, the linear model's scales and the server terms fitted so that simulating those runs
+  reproduces their TTFT / TPOT / ITL quantiles (``experiments.calibration.simfit``; ``calibrate.simulate`` holds
+  its options), and ``simulated/simfit.json``;
 - ``profile.csv`` (one row per shape: features, median / min / max seconds), ``grid.json`` (the resolved grid and
   the shapes left out) and ``calibration_scatter.png``.
 """
@@ -249,6 +253,16 @@ def calibrate(cfg: DictConfig, out_dir: str | Path, extra_steps: Sequence[StepSo
             rel = np.abs(cross_validate_requests(samples, folds=CV_FOLDS, target=target))
         summary["linear_cv"] = {"folds": CV_FOLDS, "median_rel_error": float(np.median(rel)),
                                 "p90_rel_error": float(np.percentile(rel, 90)), "max_rel_error": float(rel.max())}
+    if c.get("simulate_runs"):  # loaded runs: fit the linear model's scales and the server terms by simulation
+        from experiments.calibration import simfit
+
+        if "linear" not in paths:
+            raise ValueError("calibrate.simulate_runs starts from the linear fit; keep linear in calibrate.fits")
+        rep = simfit.fit(cfg, [str(r) for r in c.simulate_runs], paths["linear"], out / "simulated",
+                         c.get("simulate") or {}, anchors=[[str(r)] for r in c.get("runs") or []])
+        paths["simulated"] = Path(rep["path"])
+        summary["simulated"] = {k: rep[k] for k in ("path", "train", "params", "loss_before", "loss_after",
+                                                    "num_simulations")}
     paths["fit_report"] = out / "fit_report.json"
     paths["fit_report"].write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     if c.get("plot", True):
@@ -286,7 +300,9 @@ def main(cfg: DictConfig) -> None:
     for name in FITS:
         if name in cal.paths:
             log.info(f"{name}: {cal.paths[name].resolve()}")
-    first = next(n for n in FITS if n in cal.paths)
+    if "simulated" in cal.paths:
+        log.info(f"fitted by simulation: {cal.paths['simulated'].resolve()}")
+    first = "simulated" if "simulated" in cal.paths else next(n for n in FITS if n in cal.paths)
     log.info(f"use it: python -m experiments.run cost_model=calibrated cost_model.path={cal.paths[first].resolve()}")
 
 

@@ -21,10 +21,12 @@ compare.calibration=<dir>/linear.yaml``. See docs/calibration.md.
 
 A measured black box instead of our engine: ``compare.measured=<dir or .json>`` takes a loadgen run directory (any
 OpenAI-compatible server: ours, vLLM, SGLang) or a vLLM ``bench serve --save-result --save-detailed`` JSON as the
-measured side. There is no engine run, no replay and no step data; the calibration is ``compare.calibration`` or
-fitted here from ``calibrate.runs`` (request-level profiling runs against the same server). The simulator runs the
-measured run's own workload: the ``workload`` section of its config.yaml when it has one (loadgen writes it: same
-requests, same prefix sharing), else a request list of its requests.csv (arrivals and lengths, no sharing).
+measured side (with the server's KV pool when the run directory has its ``/metrics`` telemetry,
+``server_metrics.json``). There is no engine run, no replay and no step data; the calibration is
+``compare.calibration`` or fitted here from ``calibrate.runs`` (request-level profiling runs against the same
+server). The simulator runs the measured run's own workload: the ``workload`` section of its config.yaml when it
+has one (loadgen writes it: same requests, same prefix sharing), else a request list of its requests.csv (arrivals
+and lengths, no sharing).
 See docs/serving.md. A recorded GPU vLLM run (``shared/data/gpu-groundtruth/llmservingsim/<GPU>/<model>``) is
 simulated under its own engine settings with the published operator profiles (``experiments.calibration.groundtruth``,
 docs/calibration.md).
@@ -253,8 +255,14 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, plots_too: bool = True) -> di
 def _evaluate_measured(cfg: DictConfig, out: Path, plots_too: bool) -> dict[str, Any]:
     c = cfg.compare
     measured, cfg = measured_run(cfg, c.measured, out / "engine")
+    from experiments.calibration.simfit import telemetry_overrides
+    from experiments.serving.loadgen.scrape import read_summary
+
+    cfg = apply_overrides(cfg, telemetry_overrides(c.measured))  # the server's own KV pool, when it reported one
     summary: dict[str, Any] = {"measured": {"source": str(c.measured), "backend": measured.get("backend"),
-                                            "workload": cfg.workload.get("_target_")}}
+                                            "workload": cfg.workload.get("_target_"),
+                                            "server_telemetry": read_summary(c.measured)
+                                            if Path(c.measured).is_dir() else None}}
     if c.calibration:
         cal_path = Path(c.calibration)
         summary["calibration"] = {"path": str(cal_path.resolve()), "fitted_here": False}

@@ -106,8 +106,7 @@ def build_app(cfg: DictConfig, out_dir: str | Path) -> web.Application:
             await asyncio.get_running_loop().run_in_executor(None, write, False)
 
     async def on_startup(app: web.Application) -> None:
-        pool = (loop.replicas[0].kv.block_size, sum(r.kv.num_blocks for r in loop.replicas))
-        server.metrics = ServerMetrics(name, lambda: server.bridge.snapshot, cache_config=pool)
+        server.metrics = ServerMetrics(name, lambda: server.bridge.snapshot, run.kv.block_size)
         server.bridge = LoopThread(loop, RealTimeClock(), asyncio.get_running_loop(), server.metrics)
         server.bridge.start()
         tasks["flush"] = asyncio.create_task(flush_periodically())

@@ -2,8 +2,9 @@
 (``cost_model=calibrated``: ``load_calibration`` is its ``_target_``).
 
 Besides the cost model's own parameters a file may record what the fit measured beyond step times: the model and
-hardware it was fitted for (a run on other ones is refused), a server's per-request front-end delay, and the step
-noise of the measured steps (``sim.noise``).
+hardware it was fitted for (a run on other ones is refused), a server's per-request front-end delay, the server's
+per-step work besides the forward pass (``server_terms``, ``sim.cost.server``: the loaded model is wrapped in them),
+and the step noise of the measured steps (``sim.noise``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sim.cost.linear import LinearCostModel
 from sim.cost.roofline import PARAMS as ROOFLINE_PARAMS
 from sim.cost.roofline import TARGET as ROOFLINE_TARGET
 from sim.cost.roofline import RooflineCostModel
+from sim.cost.server import ServerCostModel, ServerTerms, with_server_terms
 from sim.fit import FitReport
 
 
@@ -37,14 +39,16 @@ def calibration_dict(cost_model: LinearCostModel | RooflineCostModel) -> dict[st
 
 def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCostModel,
                       fit: FitReport | None = None, note: str = "", fitted_for: tuple[str, str] | None = None,
-                      frontend_delay_s: float | None = None, step_noise: Mapping[str, Any] | None = None) -> Path:
+                      frontend_delay_s: float | None = None, step_noise: Mapping[str, Any] | None = None,
+                      server_terms: ServerTerms | None = None) -> Path:
     """A YAML usable as a ``conf/cost_model`` option, with a commented summary; the full report (if given) goes
     next to it as ``<stem>.report.json``. ``fitted_for`` = (model name, hardware name) the measurements came from:
     loading the file for another model or hardware then fails unless the run allows it. ``frontend_delay_s``: a
     server's per-request time outside its steps (fitted from request-level runs), which a simulation with this
     file adds before each request reaches a replica (``calibrated_frontend_delay``). ``step_noise``: the measured
     steps' variability around this model (``sim.noise.record_step_noise``), last in the file: a simulation with
-    this file replays it (``backend.step_noise``)."""
+    this file replays it (``backend.step_noise``). ``server_terms``: the server's step work besides the forward pass
+    (``sim.cost.server``), which the loaded model then includes."""
     path = Path(path)
     header = ["# Calibrated cost model (sim.cost.calibrated.write_calibration)."]
     if note:
@@ -62,6 +66,8 @@ def write_calibration(path: str | Path, cost_model: LinearCostModel | RooflineCo
         body["fitted_for"] = {"model": fitted_for[0], "hardware": fitted_for[1]}
     if frontend_delay_s is not None:
         body["frontend_delay_s"] = float(frontend_delay_s)
+    if server_terms is not None and not server_terms.zero:
+        body["server_terms"] = server_terms.to_dict()
     text = yaml.safe_dump(body, sort_keys=False)
     if step_noise is not None:
         sigmas = ", ".join(f"{k} {v:.3f}" for k, v in step_noise["sigma"].items())
@@ -97,10 +103,11 @@ def calibrated_frontend_delay(path: str | Path) -> float:
 
 def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | None = None,
                      hardware: HardwareSpec | Mapping[str, Any] | None = None,
-                     allow_mismatch: bool = False) -> LinearCostModel | RooflineCostModel:
+                     allow_mismatch: bool = False) -> LinearCostModel | RooflineCostModel | ServerCostModel:
     """The cost model a calibration file describes; a roofline file needs ``model`` and ``hardware`` (it
     interpolates the run's) unless it spells them out. A file fitted for another model or hardware than the
-    run's is refused (its step times would silently be another machine's) unless ``allow_mismatch``."""
+    run's is refused (its step times would silently be another machine's) unless ``allow_mismatch``. A file with
+    ``server_terms`` gives the model wrapped in them (``sim.cost.server.ServerCostModel``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"cost_model.path={str(path)!r}: no such calibration file (an experiments.calibrate output)")
@@ -110,6 +117,7 @@ def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | No
     fitted_for = cfg.pop("fitted_for", None) or {}
     cfg.pop("frontend_delay_s", None)  # the loop's, not the cost model's (calibrated_frontend_delay)
     cfg.pop("step_noise", None)  # the executor's (calibrated_step_noise)
+    terms = ServerTerms.from_mapping(cfg.pop("server_terms", None))
     for key, given in (("model", model), ("hardware", hardware)):
         if key == "model" and isinstance(given, Mapping) and given.get("path"):
             given = as_model_spec(given)  # a checkpoint's name is its directory's, as calibrate recorded it
@@ -119,7 +127,7 @@ def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | No
                              f"{key}={name}; calibrate for it, or set cost_model.allow_mismatch=true")
     target = cfg.get("_target_")
     if target == LINEAR_TARGET:
-        return LinearCostModel.from_mapping(cfg)
+        return with_server_terms(LinearCostModel.from_mapping(cfg), terms)
     if target != ROOFLINE_TARGET:
         raise ValueError(f"{path}: _target_={target!r}; expected {LINEAR_TARGET!r} or {ROOFLINE_TARGET!r}")
     cfg.pop("_target_")
@@ -130,4 +138,4 @@ def load_calibration(path: str | Path, model: ModelSpec | Mapping[str, Any] | No
         if specs[key] is None:
             raise ValueError(f"{path}: {key}={in_file!r} is not a spec; pass {key}= to load_calibration")
     check_keys(f"{path}", cfg, ROOFLINE_PARAMS)
-    return RooflineCostModel(specs["model"], specs["hardware"], **cfg)
+    return with_server_terms(RooflineCostModel(specs["model"], specs["hardware"], **cfg), terms)

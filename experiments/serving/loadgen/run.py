@@ -7,7 +7,9 @@ requests.csv, tokens.csv and metrics.json as a simulated run (no steps.csv: a bl
 - ``bench_serve.json``: the same run in vLLM ``bench serve`` result form (``experiments.serving.bench_result``);
 - ``client.csv``: per request the scheduled and actual send times (s from the start), the HTTP status and the
   token counts the server reported in its usage block;
-- ``config.yaml`` (the resolved config) and ``latency_cdfs.png`` (``output.plots``).
+- ``config.yaml`` (the resolved config) and ``latency_cdfs.png`` (``output.plots``);
+- ``server_metrics.json``: the server's Prometheus ``/metrics`` before and after the run, their difference and a
+  summary (KV block count, queue / prefill / decode time per request), when it has one (``loadgen.scrape``).
 
 Prompts: a request of n prompt tokens is sent as exactly n token ids (``target.prompt_mode=tokens``: its
 ``prompt_token_ids``, else ``core.prompt.materialize``'s deterministic ids, the ones our engine runs, so requests
@@ -65,6 +67,7 @@ from core.specs import ModelSpec
 from experiments.cli import hydra_app
 from experiments.config import MetricsConfig, OutputConfig, plain, section
 from experiments.serving.journal import LOADGEN, open_journal
+from experiments.serving.loadgen import scrape
 from experiments.serving.loadgen.client import CLIENT_COLUMNS, ClientRecord, LoadGen, LoadgenResult
 from experiments.serving.loadgen.prompts import build_prompts
 from experiments.serving.loadgen.target import Target
@@ -117,6 +120,7 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
     journal = open_journal(out, LOADGEN, "loadgen", OmegaConf.to_yaml(cfg, resolve=True))
     gen = (client or LoadGen)(workload, target, prompts, progress=output.show_progress,
                               total=_known_total(workload, requests), journal=journal)
+    before = scrape.scrape(target.url)  # the server's telemetry around the run (None: it has no /metrics)
     try:
         res = gen.run()
     except BaseException as e:
@@ -132,11 +136,13 @@ def run_loadgen(cfg: DictConfig, out_dir: str | Path, client: type[LoadGen] | No
             remove_journal(out)
         raise
     journal.close()
+    after = scrape.scrape(target.url) if before is not None else None
     failed = failure(res.states, target.max_failed_share)
     metrics = write_loadgen_run(cfg, out, res.states, res.records, res.wall_s, res,
                                 run_status=FAILED if failed else COMPLETE, note={"error": failed} if failed else None,
                                 num_length_off=prompts.num_length_off)
     remove_journal(out)
+    scrape.write(out, before, after)
     if output.plots and not failed:
         from core.output import read_metrics, read_requests_csv, read_tokens_csv
         from experiments import plots

@@ -87,3 +87,26 @@ def test_greedy_outputs_token_identical_and_loadgen_measures_both(ckpt, vllm, tm
     finally:
         assert ours.stop() == 0
     assert Path(tmp_path / "lg_vllm" / "bench_serve.json").is_file()
+
+
+def test_loadgen_scrapes_vllm_telemetry_and_the_simulator_takes_its_kv_pool(ckpt, vllm, tmp_path):
+    """vLLM's /metrics around a loadgen run: its KV pool (cache_config_info) and the request phases of exactly the
+    run's requests; the simulator of that run gets the same pool."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.build import CONF_DIR
+    from experiments.calibration.simfit import telemetry_overrides
+    from experiments.serving.loadgen.run import run_loadgen
+    from experiments.serving.loadgen.scrape import read_summary
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("loadgen", overrides=[f"target.url={vllm}", f"model.path={ckpt}", "output.plots=false",
+                                            "output.progress=false", "workload.num_requests=10",
+                                            "workload.prompt_len.max=200", "workload.output_len.max=16"])
+    run_loadgen(cfg, tmp_path / "lg")
+    s = read_summary(tmp_path / "lg")
+    assert s["num_gpu_blocks"] > 0 and s["block_size"] > 0
+    assert s["queue_count"] == s["prefill_count"] == s["decode_count"] == 10
+    assert s["generation_tokens_total"] > 0 and s["iterations"] > 0
+    assert telemetry_overrides(tmp_path / "lg")[:2] == [f"kv.block_size={s['block_size']}",
+                                                        f"kv.num_blocks={s['num_gpu_blocks']}"]
