@@ -57,3 +57,18 @@ def parsed(cfg: Any, **changes: Any) -> Any:
     from experiments.config import RunConfig
 
     return replace(RunConfig.from_config(cfg), **changes)
+
+
+def wait_healthy(proc: Any, url: str, timeout_s: float) -> bool:
+    """Poll ``url``/health until it answers or ``proc`` exits (a server started by a test); True when it is up."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return True
+        except OSError:
+            time.sleep(2)
+    return False

@@ -28,6 +28,7 @@ from core.request import Request
 from experiments.calibration.vllm_sched_trace import step_record
 from experiments.serving.vllm_adapter.plugin import choose
 from policies.eviction.lru import LRUEviction
+from tests.helpers import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -308,7 +309,6 @@ def test_vllms_openai_server_loads_the_adapter_from_the_command_line(tmp_path):
     """``api_server --scheduler-cls ...`` with the plugin in TWINSERVE_SCHEDULER: it serves completions (a request
     priority and a TTFT deadline in vllm_xargs included), logs the plugin it runs, ends a structured-output request
     with an error (HTTP 500; the server log names the refused feature) and serves on."""
-    import time
     import urllib.error
     import urllib.request
 
@@ -337,13 +337,7 @@ def test_vllms_openai_server_loads_the_adapter_from_the_command_line(tmp_path):
         proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         try:
-            deadline = time.monotonic() + 900
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=5)
-                    break
-                except OSError:
-                    time.sleep(2)
+            wait_healthy(proc, url, 900)
             assert proc.poll() is None, log_path.read_text()[-3000:]
             ok = dict(prompt=[11, 12, 13, 14], max_tokens=6, temperature=0, ignore_eos=True)
             status, body = complete(**ok)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 from experiments.serving.server.process import ROOT, free_port
 from experiments.serving.server.process import ServerProcess as Server
+from tests.helpers import wait_healthy
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 pytestmark = [pytest.mark.slow,
@@ -39,13 +38,7 @@ def vllm(ckpt, tmp_path_factory):
                             stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
+        wait_healthy(proc, url, 600)
         if proc.poll() is not None:
             pytest.fail(f"vLLM exited with {proc.returncode}; see {log.name}")
         yield url
