@@ -281,15 +281,7 @@ class ServingLoop:
             duration = out.duration_s + sched_s
             yield Sleep(duration, start)
             replica.apply(batch, out.tokens, clock.now, out.num_tokens)
-            self.steps.add(i, start, duration, feature_values(batch.features), replica.kv.num_used_blocks,
-                           len(batch.preempted))
-            if self.keep_batches:
-                self.batches.append(batch)
-            if self.on_step:
-                record = StepRecord(i, start, duration, batch.features, replica.kv.num_used_blocks,
-                                    len(batch.preempted))
-                for listener in self.on_step:
-                    listener(i, batch, record)
+            self._record(i, start, duration, batch, replica)
             if fast and not self.on_step and not self.keep_batches:
                 run = replica.start_decode_run(executor, clock.now)
                 if run is not None:
@@ -316,14 +308,18 @@ class ServingLoop:
                 if batch.empty:
                     continue
                 r.apply(batch, out.tokens, clock.now, out.num_tokens)
-                self.steps.add(i, start, duration, feature_values(batch.features), r.kv.num_used_blocks,
-                               len(batch.preempted))
-                if self.keep_batches:
-                    self.batches.append(batch)
-                if self.on_step:
-                    record = StepRecord(i, start, duration, batch.features, r.kv.num_used_blocks, len(batch.preempted))
-                    for listener in self.on_step:
-                        listener(i, batch, record)
+                self._record(i, start, duration, batch, r)
+
+    def _record(self, i: int, start: float, duration: float, batch: Batch, replica: Replica) -> None:
+        """Replica ``i``'s step of ``batch`` (applied): its steps.csv row, the kept batch, the step listeners."""
+        self.steps.add(i, start, duration, feature_values(batch.features), replica.kv.num_used_blocks,
+                       len(batch.preempted))
+        if self.keep_batches:
+            self.batches.append(batch)
+        if self.on_step:
+            record = StepRecord(i, start, duration, batch.features, replica.kv.num_used_blocks, len(batch.preempted))
+            for listener in self.on_step:
+                listener(i, batch, record)
 
     def _decode_run(self, i: int, replica: Replica, run: DecodeRun) -> Process:
         """Fast-forwarded steps of replica ``i`` (``core.fast_forward``): one clock event and one step record per
