@@ -259,18 +259,21 @@ def _sim_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
 def parallel_executors(run: RunConfig, cost: Any, replicas: list[Replica]) -> list[Executor]:
     """Pipeline stages (pp > 1: one ``sim.pipeline.Pipeline`` per replica, shared by its pp virtual engines) or
     lockstep dp ranks (dp > 1: ``lockstep_groups``); what they do not model is refused."""
+    from sim.cost.base import StagedCostModel
     from sim.executor import CostModelExecutor
     from sim.pipeline import Pipeline, PipelineExecutor
 
-    par, need = run.parallel, "stage_times" if run.parallel.pp > 1 else "group_step_time"
+    par = run.parallel
     unsupported = {"parallel.pp > 1 with parallel.dp > 1": par.pp > 1 and par.dp > 1,
                    "cluster=pd": run.cluster.kind == "pd", "kv.host_blocks": bool(run.num_host_blocks),
-                   "spec": bool(run.speculation.method), f"cost_model {type(cost).__name__}": not hasattr(cost, need),
+                   "spec": bool(run.speculation.method),
+                   f"cost_model {type(cost).__name__}": not isinstance(cost, StagedCostModel),
                    "backend.step_noise with a calibration": step_noise(run) is not None}
     refused = [k for k, v in unsupported.items() if v]
     if refused:
         raise ValueError(f"parallel={par}: not simulated with {refused[0]} (pipeline and data-parallel replicas "
-                         "run on cost_model=roofline, colocated, without host tier, speculation or step noise)")
+                         "run on cost_model=roofline or profiled, colocated, without host tier, speculation or step "
+                         "noise)")
     if par.dp > 1:
         return [CostModelExecutor(cost) for _ in replicas]
     pipelines = [Pipeline(par.pp) for _ in range(run.cluster.num_replicas)]

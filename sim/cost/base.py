@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -30,6 +30,35 @@ class DecodeCostModel(CostModel, Protocol):
         1 per step), bit-identical to calling
         ``step_time`` on each: the same expression, evaluated in the same order, over a numpy array."""
         ...
+
+
+@runtime_checkable
+class StagedCostModel(CostModel, Protocol):
+    """Optional capability of a cost model: price a step stage by stage, for pipeline stages (``sim.pipeline``) and
+    for attention data-parallel ranks meeting at the MoE layers (``group_step_time``; ``lockstep_step_time`` is the
+    one implementation)."""
+
+    pp: int
+    overhead_s: float
+
+    def stage_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[float]:
+        """Seconds each of the ``pp`` stages takes for the step, its send to the next stage included, no overhead;
+        ``moe_tokens``: the tokens meeting at the MoE layers (default: the step's own)."""
+        ...
+
+    def group_step_time(self, features: Sequence[StepFeatures]) -> float:
+        """One lockstep step of the dp ranks, ``features`` one rank's batch each (``lockstep_step_time``)."""
+        ...
+
+
+def lockstep_step_time(cost: StagedCostModel, features: Sequence[StepFeatures]) -> float:
+    """The step of dp attention-data-parallel ranks in lockstep: every rank's tokens meet at the MoE layers, so each
+    rank pays its own attention and dense layers plus the MoE layers of all ranks' tokens; the step lasts as long as
+    the slowest rank's (an idle rank's empty batch adds no time), plus the overhead."""
+    total = sum(f.num_batched_tokens for f in features)
+    if total == 0:
+        return cost.overhead_s
+    return max(sum(cost.stage_times(f, total)) for f in features if f.num_batched_tokens) + cost.overhead_s
 
 
 def decode_steps(first: StepFeatures, num_steps: int) -> tuple[np.ndarray, np.ndarray]:

@@ -121,3 +121,24 @@ class Comm:
             return 0.0
         self._link(workers)
         return (workers - 1) * self.latency_s + (workers - 1) / workers * nbytes / self.bandwidth
+
+
+def stage_collectives(comm: Comm, *, tokens: int, row_bytes: float, layers: int, moe_layers: int, tp: int,
+                      dp: int = 1, ep: int = 1, top_k: int = 0, moe_tokens: int | None = None,
+                      last: bool = True) -> dict[str, float]:
+    """Seconds of the collectives one pipeline stage of ``layers`` decoder layers (``moe_layers`` of them MoE) runs
+    for a step of ``tokens`` tokens of ``row_bytes`` activations each, on one rank of a tp x dp (x ep) replica; every
+    cost model prices its collectives here (docs/parallelism.md, "Collectives").
+
+    ``allreduce``: tensor parallelism's two per layer (after attention, after the MLP), except that an MoE layer's
+    MLP collective with ep > 1 is the all-to-all and with dp > 1 and ep = 1 an all-reduce of the ``moe_tokens``
+    (all dp ranks' tokens, default the step's own) over tp x dp; ``all_to_all``: with ep > 1, dispatch and combine of
+    the rank's tokens x ``top_k`` activations per MoE layer; ``send_recv``: the activations to the next stage (none
+    from the ``last``)."""
+    moe_all = moe_layers if ep > 1 or dp > 1 else 0  # MoE layers whose MLP collective is not the tp all-reduce
+    allreduce = (2 * layers - moe_all) * comm.all_reduce_s(tokens * row_bytes, tp) if tp > 1 else 0.0
+    if moe_all and ep == 1:
+        allreduce += moe_all * comm.all_reduce_s((tokens if moe_tokens is None else moe_tokens) * row_bytes, tp * dp)
+    a2a = 2 * moe_layers * comm.all_to_all_s(tokens * top_k * row_bytes, ep) if ep > 1 and tokens else 0.0
+    return {"allreduce": allreduce, "all_to_all": a2a,
+            "send_recv": 0.0 if last or not tokens else comm.send_recv_s(tokens * row_bytes)}

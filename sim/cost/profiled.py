@@ -13,8 +13,10 @@ What a row is (read from the bundles' ``meta.yaml`` and checked against the numb
   file covers every ``tp<N>/`` folder: the RTX PRO 6000 Llama-3.1-8B bundle shows 16 heads, 4 KV heads, FFN 7168,
   vocabulary 64128 (half of Llama-3.1-8B), the RTX 4090 one (TP 1 only) the full shapes. ``tp1/`` rows are full-shape
   times (a 1-token ``gate_up_proj`` takes 159 us: its 235 MB at 1.47 TB/s), ``tp2/`` rows half-shape per-rank times
-  (80 us). The all-reduces after ``o_proj`` / ``down_proj`` are in no table (one GPU ran the shard), so the model adds
-  them for ``tp`` > 1 (ring all-reduce over ``hardware.interconnect_bw`` plus ``allreduce_latency_s`` each).
+  (80 us). The all-reduces after ``o_proj`` / ``down_proj`` are in no table (one GPU ran the shard: no
+  ``all_reduce`` / NCCL row in any ``tp<N>/`` file), so the model adds them for ``tp`` > 1, priced as every
+  collective is (``sim.cost.comm``: measured NCCL tables where ``hardware.network_profile`` names one, the hardware's
+  peer link otherwise).
 - ``dense.csv`` (layer, tokens, time_us): one call of a module on ``tokens`` new tokens of one request without KV
   history. Per step ``embedding`` and ``final_layernorm`` run once; per decoder layer ``layernorm`` runs twice (input
   and post-attention RMSNorm) and every other row (``qkv_proj``, ``rotary_emb``, ``o_proj``, ``gate_up_proj``,
@@ -40,9 +42,14 @@ What a row is (read from the bundles' ``meta.yaml`` and checked against the numb
   ``tokens`` tokens whose routing touches ``activated_experts`` distinct experts.
 
 How a step is priced: ``embedding(T) + final_layernorm(T) + L x [per-layer dense rows(T) + attention] + lm_head(S) +
-sampler(S)`` (+ ``L x moe(T, experts)``, all-reduces, ``overhead_s``), with T = ``num_batched_tokens``, S =
-``num_seqs``. 1-D tables are piecewise linear in their axis. Attention is looked up at the step's equivalent single
-chunk and mean decode history, then corrected for uneven decode contexts (skew); see ``AttentionTable``.
+sampler(S)`` (+ ``L x moe(T, experts)``, collectives, ``overhead_s``), with T = ``num_batched_tokens``, S =
+``num_seqs``. Pipeline stages (``pp``) each run their layers' rows (``core.arithmetic.stage_layers``), the embedding
+on the first, the final norm, LM head and sampler on the last, and send the activations on; attention data-parallel
+ranks (``dp``) with expert parallelism (``ep``) run their own attention and dense rows and meet at the MoE blocks:
+the busiest expert group's expert-token pairs and touched experts (``sim.cost.moe.MoELoad``) looked up in
+``moe.csv`` as pairs / k tokens, on ep / (tp x dp) of the block's width (``moe_time``). 1-D tables are piecewise
+linear in their axis. Attention is looked up at the step's equivalent single chunk and mean decode history, then
+corrected for uneven decode contexts (skew); see ``AttentionTable``.
 
 Outside a table: below its smallest value (a 5-token chunk, a decode with 10 tokens of history) the smallest row
 holds (a kernel's fixed cost); above its largest (more tokens, sequences or KV than profiled) the table value at the
@@ -74,7 +81,9 @@ from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.checks import check_float, check_int
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost.base import as_hardware_spec, as_model_spec
+from sim.cost.base import as_hardware_spec, as_model_spec, lockstep_step_time
+from sim.cost.comm import Comm, stage_collectives
+from sim.cost.moe import MoELoad
 from sim.cost.roofline import OpCost, RooflineCostModel
 
 US = 1e-6
@@ -543,8 +552,9 @@ class OperatorProfileCostModel:
 
     ``overhead_s``: a fixed per-step time outside the tables' kernel time (vLLM 0.19 overlaps its CPU scheduling
     with the GPU, async scheduling being on by default, and replays CUDA graphs; 0 by default). ``skew``: apply the
-    uneven-decode-context correction where the bundle has one. ``allreduce_latency_s``: per all-reduce, for ``tp`` >
-    1 (a guess of ~10 us for a small all-reduce between two PCIe GPUs; no table measures it).
+    uneven-decode-context correction where the bundle has one. ``pp``, ``dp``, ``ep``: the deployment beyond
+    ``tp`` (docs/parallelism.md); ``network_dir``: Vidur's measured NCCL tables, read for
+    ``hardware.network_profile`` (``sim.cost.comm``; none: the hardware's peer link prices every collective).
     ``num_experts`` / ``experts_per_token``: a MoE model's routing, for a ``moe.csv``; null: the model's ``moe``
     section (``num_experts``, ``top_k``). ``profile``: a variant folder to use instead of the search by hardware
     and model name.
@@ -552,13 +562,14 @@ class OperatorProfileCostModel:
 
     def __init__(self, model: ModelSpec | Mapping[str, Any], hardware: HardwareSpec | Mapping[str, Any], tp: int = 1,
                  data_dir: str | None = None, profile: str | None = None, variant: str | None = None,
-                 overhead_s: float = 0.0, skew: bool = True, allreduce_latency_s: float = 1e-5,
-                 num_experts: int | None = None, experts_per_token: int | None = None) -> None:
+                 overhead_s: float = 0.0, skew: bool = True, num_experts: int | None = None,
+                 experts_per_token: int | None = None, pp: int = 1, dp: int = 1, ep: int = 1,
+                 network_dir: str | None = None) -> None:
         m, hw = as_model_spec(model), as_hardware_spec(hardware)
         self.model, self.hardware = m, hw
         self.tp = check_int(tp, "parallel.tp", 1)
         self.overhead_s = check_float(overhead_s, "cost_model.overhead_s", 0.0)
-        self.allreduce_latency_s = check_float(allreduce_latency_s, "cost_model.allreduce_latency_s", 0.0)
+        self.pp, self.dp, self.ep = (check_int(v, f"parallel.{k}", 1) for k, v in (("pp", pp), ("dp", dp), ("ep", ep)))
         self.skew = bool(skew)
         variant = variant or VARIANTS.get(m.dtype, m.dtype)
         if profile is None and data_dir is None:
@@ -567,11 +578,17 @@ class OperatorProfileCostModel:
         folder = Path(profile) if profile else find_profile(hw.name, m.name, variant, data_dir)
         self.tables = tables = load_tables(str(folder.resolve()), self.tp)
         check_shapes(tables.meta, m, folder)
+        if self.ep > 1 and (m.moe is None or m.moe.num_experts % self.ep or (self.tp * self.dp) % self.ep):
+            raise ValueError(f"parallel.ep={self.ep} needs an MoE model whose experts it divides, and must divide "
+                             f"parallel.tp x parallel.dp = {self.tp * self.dp}")
+        if self.tp * self.dp > 1 and hw.interconnect_bw <= 0 and not hw.network_profile:
+            raise ValueError(f"parallel.tp x parallel.dp = {self.tp * self.dp} needs hardware.interconnect_bw > 0 "
+                             f"({hw.name} has 0)")
         self.roofline = RooflineCostModel(m, hw, tp=self.tp)
-        if self.tp > 1 and hw.interconnect_bw <= 0:
-            raise ValueError(f"parallel.tp={self.tp} needs hardware.interconnect_bw > 0 ({hw.name} has 0)")
-        ring = 2 * (self.tp - 1) / self.tp
-        self._allreduce_per_token = ring * m.hidden_size * ar.act_bytes(m) / hw.interconnect_bw if self.tp > 1 else 0.0
+        self.comm = Comm.of(hw, network_dir)
+        self.network_dir = network_dir
+        self._row = m.hidden_size * ar.act_bytes(m)  # bytes of one token's activations
+        self._stages = [(len(r), sum(1 for i in r if ar.is_moe_layer(m, i))) for r in ar.stage_layers(m, self.pp)]
         self.experts: tuple[int, int] | None = None
         self.moe_from: str | None = None  # where the MoE block's times come from, when not this TP's own moe.csv
         if tables.moe is None and m.moe is not None and self.tp > 1:
@@ -596,8 +613,14 @@ class OperatorProfileCostModel:
         if tables.moe is not None:
             self._max_tokens = min(self._max_tokens, int(tables.moe.top))
         t = np.arange(self._max_tokens + 1, dtype=float)
-        per_layer = sum(k * tables.dense[n].at(t) for n, k in self._layer_rows.items()) + self._moe_at(t)
+        layer = sum(k * tables.dense[n].at(t) for n, k in self._layer_rows.items())
+        per_layer = layer + self._moe_at(t)
         self._dense = sum(tables.dense[n].at(t) for n in once) + m.num_layers * per_layer
+        # a stage's parts (pp, dp, ep): one layer's dense rows without the MoE block, the once-per-step rows
+        self._layer_dense = layer + np.zeros_like(t)
+        self._first_rows = sum((tables.dense[n].at(t) for n in once if n == "embedding"), np.zeros_like(t))
+        self._last_rows = sum((tables.dense[n].at(t) for n in once if n != "embedding"), np.zeros_like(t))
+        self.moe_load = MoELoad(*self.experts, self.ep) if self.experts is not None else None
         self._max_seqs = int(min(tables.per_sequence[n].top for n in ("lm_head", "sampler")))
         s = np.arange(self._max_seqs + 1, dtype=float)
         self._head = tables.per_sequence["lm_head"].at(s) + tables.per_sequence["sampler"].at(s)
@@ -660,10 +683,75 @@ class OperatorProfileCostModel:
         return t_mean, alpha * (t_max - t_mean) if t_max > t_mean else 0.0
 
     def allreduce_time(self, tokens: int) -> float:
-        """Two all-reduces of the activations per layer (after o_proj and down_proj), none at tp 1."""
+        """Two all-reduces of the activations per layer (after o_proj and down_proj), none at tp 1 (``sim.cost.comm``;
+        the pp = dp = ep = 1 step's only collective)."""
         if self.tp == 1:
             return 0.0
-        return 2 * self.model.num_layers * (self.allreduce_latency_s + self._allreduce_per_token * tokens)
+        return 2 * self.model.num_layers * self.comm.all_reduce_s(tokens * self._row, self.tp)
+
+    def _rows(self, arr: np.ndarray, tokens: int) -> float:
+        """A per-token-count array of dense rows at ``tokens``, scaled as ``dense_time`` beyond the tables."""
+        if tokens <= self._max_tokens:
+            return float(arr[tokens])
+        self.beyond["dense"] += 1
+        edge = self._max_tokens
+        return float(arr[edge]) * self._roof_dense(tokens) / self._roof_dense(edge)
+
+    def moe_time(self, tokens: int) -> float:
+        """One MoE block on one device when ``tokens`` tokens (every dp rank's) meet there: the busiest of the ep
+        expert groups' expert-token pairs (``MoELoad``) as pairs / k tokens, over the experts of its group they
+        touch, on ep / (tp x dp) of the experts' width (the table's block is the whole layer at this TP degree, so
+        x tp / (tp x dp / ep)). At dp = ep = 1 that is the table at the step's tokens and expected activated experts.
+        Beyond the table's tokens: linear in tokens from its edge (the block is compute-bound there), counted."""
+        moe, load = self.tables.moe, self.moe_load
+        if moe is None or load is None or tokens <= 0:
+            return 0.0
+        x, experts = load.busiest_pairs(tokens) / load.top_k, load.experts_touched(tokens)
+        if x <= moe.top:
+            block = moe.at(x, experts)
+        else:
+            self.beyond["moe"] += 1
+            block = moe.at(moe.top, experts) * x / moe.top
+        return block * self.ep / self.dp
+
+    def comm_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[dict[str, float]]:
+        """Each stage's collectives (``sim.cost.comm.stage_collectives``)."""
+        top_k = self.experts[1] if self.experts else 0
+        return [stage_collectives(self.comm, tokens=f.num_batched_tokens, row_bytes=self._row, layers=layers,
+                                  moe_layers=moe_layers, tp=self.tp, dp=self.dp, ep=self.ep, top_k=top_k,
+                                  moe_tokens=moe_tokens, last=k == self.pp - 1)
+                for k, (layers, moe_layers) in enumerate(self._stages)]
+
+    def stage_parts(self, f: StepFeatures, moe_tokens: int | None = None) -> list[dict[str, float]]:
+        """Seconds per part of each pipeline stage: ``dense`` (its layers' dense rows, the embedding on the first
+        stage, the final norm on the last), ``moe``, ``attention`` (skew included), ``head`` (LM head + sampler, the
+        last stage) and its collectives."""
+        T = f.num_batched_tokens
+        t_mean, skew = self.attention_time(f)
+        moe = self.moe_time(T if moe_tokens is None else moe_tokens) if self.experts else 0.0
+        layer = self._rows(self._layer_dense, T)
+        out = []
+        for k, ((layers, moe_layers), comm) in enumerate(zip(self._stages, self.comm_times(f, moe_tokens),
+                                                             strict=True)):
+            dense = layers * layer + (self._rows(self._first_rows, T) if k == 0 else 0.0)
+            last = k == self.pp - 1
+            if last:
+                dense += self._rows(self._last_rows, T)
+            out.append({"dense": dense, "moe": moe_layers * moe, "attention": layers * (t_mean + skew),
+                        "head": self.head_time(f.num_seqs) if last else 0.0, **comm})
+        return out
+
+    def stage_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[float]:
+        """Seconds each pipeline stage takes for the step, its send to the next included, no overhead
+        (``sim.cost.base.StagedCostModel``); ``moe_tokens``: every dp rank's tokens, meeting at the MoE blocks."""
+        if f.num_batched_tokens == 0:
+            return [0.0] * self.pp
+        self.priced += 1
+        return [sum(parts.values()) for parts in self.stage_parts(f, moe_tokens)]
+
+    def group_step_time(self, features: Sequence[StepFeatures]) -> float:
+        """One lockstep step of the dp ranks (``sim.cost.base.lockstep_step_time``)."""
+        return lockstep_step_time(self, features)
 
     # ---- roofline anchors beyond a table's edge ----
     def _roof(self, f: StepFeatures, groups: Sequence[str]) -> float:
@@ -690,6 +778,8 @@ class OperatorProfileCostModel:
     def step_time(self, f: StepFeatures) -> float:
         if f.num_batched_tokens == 0:
             return self.overhead_s
+        if self.pp * self.dp * self.ep > 1:
+            return sum(self.stage_times(f)) + self.overhead_s
         self.priced += 1
         t_mean, skew = self.attention_time(f)
         return (self.dense_time(f.num_batched_tokens) + self.model.num_layers * (t_mean + skew)
@@ -698,19 +788,28 @@ class OperatorProfileCostModel:
     def breakdown(self, f: StepFeatures) -> dict[str, float]:
         """Seconds per part, straight from the tables' curves (not the summed arrays ``step_time`` uses); they sum
         to ``step_time``. Keys: each dense.csv row (all layers), ``moe``, ``attention``, ``skew``, ``lm_head``,
-        ``sampler``, ``allreduce``, ``overhead``."""
+        ``sampler``, ``allreduce`` (pp, dp or ep > 1: also ``all_to_all`` and ``send_recv``, the stages summed),
+        ``overhead``."""
         if f.num_batched_tokens == 0:
             return {"overhead": self.overhead_s}
         T, S, L = f.num_batched_tokens, f.num_seqs, self.model.num_layers
         tabs = self.tables
         out = {n: float(c.at(T)) * (1 if n in ONCE_PER_STEP else L * self._layer_rows[n])
                for n, c in tabs.dense.items()}
-        out["moe"] = L * float(self._moe_at(np.array([float(T)]))[0])
+        staged = self.pp * self.dp * self.ep > 1
+        out["moe"] = sum(n for _, n in self._stages) * self.moe_time(T) if staged else \
+            L * float(self._moe_at(np.array([float(T)]))[0])
         t_mean, skew = self.attention_time(f)
         out["attention"], out["skew"] = L * t_mean, L * skew
         out["lm_head"] = float(tabs.per_sequence["lm_head"].at(S))
         out["sampler"] = float(tabs.per_sequence["sampler"].at(S))
-        out["allreduce"], out["overhead"] = self.allreduce_time(T), self.overhead_s
+        if staged:
+            for stage in self.comm_times(f):
+                for k, v in stage.items():
+                    out[k] = out.get(k, 0.0) + v
+        else:
+            out["allreduce"] = self.allreduce_time(T)
+        out["overhead"] = self.overhead_s
         return out
 
     def coverage(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ Collectives are priced by ``sim.cost.comm.Comm``: measured NCCL tables where the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +33,8 @@ from core.batch import StepFeatures
 from core.checks import check_float, check_fraction, check_int
 from core.fast_forward import decode_features as next_decode
 from core.specs import HardwareSpec, ModelSpec
-from sim.cost.base import as_hardware_spec, as_model_spec, decode_steps
-from sim.cost.comm import Comm
+from sim.cost.base import as_hardware_spec, as_model_spec, decode_steps, lockstep_step_time
+from sim.cost.comm import Comm, stage_collectives
 from sim.cost.moe import MoELoad
 
 LOGIT_BYTES = 4  # logits are written in float32
@@ -194,16 +194,10 @@ class RooflineCostModel:
         per MoE layer), ``send_recv`` (to the next stage; none from the last)."""
         stage = self._stages[0] if stage is None else stage
         layers, moe_layers = stage[-1]
-        t, comm, row = f.num_batched_tokens, self.comm, self._act_row
-        tp, dp, ep = self.tp, self.dp, self.ep
-        moe_all = moe_layers if ep > 1 or dp > 1 else 0  # MoE layers whose MLP collective is not the tp all-reduce
-        allreduce = (2 * layers - moe_all) * comm.all_reduce_s(t * row, tp) if tp > 1 else 0.0
-        if moe_all and ep == 1:
-            allreduce += moe_all * comm.all_reduce_s((t if moe_tokens is None else moe_tokens) * row, tp * dp)
-        a2a = 2 * moe_layers * comm.all_to_all_s(t * self.model.moe.top_k * row, ep) if ep > 1 and t else 0.0
-        last = stage is self._stages[-1]
-        return {"allreduce": allreduce, "all_to_all": a2a,
-                "send_recv": 0.0 if last or not t else comm.send_recv_s(t * row)}
+        return stage_collectives(self.comm, tokens=f.num_batched_tokens, row_bytes=self._act_row, layers=layers,
+                                 moe_layers=moe_layers, tp=self.tp, dp=self.dp, ep=self.ep,
+                                 top_k=self.model.moe.top_k if self.model.moe else 0, moe_tokens=moe_tokens,
+                                 last=stage is self._stages[-1])
 
     def _comm_s(self, f: StepFeatures) -> float:
         """Every collective of the pp=1 step, one float (the hot path)."""
@@ -242,14 +236,9 @@ class RooflineCostModel:
                        + c["allreduce"] + c["all_to_all"] + c["send_recv"])
         return out
 
-    def group_step_time(self, features: list[StepFeatures]) -> float:
-        """One lockstep step of the dp attention-data-parallel ranks, ``features`` one rank's batch each (an idle
-        rank: empty features): every rank's tokens meet at the MoE layers, so each rank pays its own attention and
-        dense layers plus the MoE layers of all tokens; the step lasts as long as the slowest rank's."""
-        total = sum(f.num_batched_tokens for f in features)
-        if total == 0:
-            return self.overhead_s
-        return max(sum(self.stage_times(f, total)) for f in features if f.num_batched_tokens) + self.overhead_s
+    def group_step_time(self, features: Sequence[StepFeatures]) -> float:
+        """One lockstep step of the dp ranks (``sim.cost.base.lockstep_step_time``)."""
+        return lockstep_step_time(self, features)
 
     def step_time(self, f: StepFeatures) -> float:
         """Same sum as ``breakdown`` without building dicts (the simulator's hot path)."""

@@ -173,6 +173,37 @@ def test_refused_combinations():
     with pytest.raises(ValueError, match="parallel.pp > 1 with parallel.dp > 1"):
         build_loop(RunConfig.from_config(compose_cfg([*COMMON, "model=qwen3_30b_a3b", "parallel.pp=2",
                                                       "parallel.dp=2", "parallel.ep=2"])))
-    with pytest.raises(ValueError, match="OperatorProfileCostModel"):
-        build_loop(RunConfig.from_config(compose_cfg(["hardware=rtxpro6000", "model=qwen3_32b", "cost_model=profiled",
+    with pytest.raises(ValueError, match="cost_model LinearCostModel"):  # no stage_times: not a StagedCostModel
+        build_loop(RunConfig.from_config(compose_cfg(["hardware=h100", "model=llama2_70b", "cost_model=linear",
                                                       "parallel.pp=2", "kv.num_blocks=100"])))
+
+
+PROFILED = NETWORK.parent.parent / "llmservingsim"
+PROFILED_RUNS = {  # the published RTX PRO 6000 bundles: TP 1 tables for pp and dp x ep, TP 2 for tp x pp
+    "llama_pp2": ["model=llama3_1_8b", "parallel.pp=2"],
+    "llama_tp2_pp2": ["model=llama3_1_8b", "parallel.tp=2", "parallel.pp=2"],
+    "qwen_moe_dp2_ep2": ["model=qwen3_30b_a3b", "parallel.dp=2", "parallel.ep=2"],
+    "qwen_moe_tp2_ep2": ["model=qwen3_30b_a3b", "parallel.tp=2", "parallel.ep=2"],
+}
+
+
+@pytest.mark.skipif(not PROFILED.is_dir(), reason="shared/data/gpu-measurements/llmservingsim not present")
+@pytest.mark.parametrize("name", sorted(PROFILED_RUNS))
+def test_profiled_parallel_runs_account_for_every_request(name):
+    """cost_model=profiled runs pipeline stages and lockstep dp ranks from the published tables end to end."""
+    run = RunConfig.from_config(compose_cfg(["hardware=rtxpro6000", "cost_model=profiled", "scheduler=vllm_v1",
+                                             "workload.num_requests=40", "workload.arrival.rate_rps=20",
+                                             "kv.num_blocks=400", "replicas=1", *PROFILED_RUNS[name]]))
+    loop = build_loop(run)
+    res = run_virtual(loop)
+    par = run.parallel
+    assert len(loop.replicas) == par.pp * par.dp
+    assert len(res.states) == 40 and all(s.status.name == "FINISHED" for s in res.states)
+    for r in loop.replicas:
+        r.kv.check_invariants()
+        assert not r.kv._tables
+    assert {rec.replica for rec in res.steps} == set(range(len(loop.replicas)))
+    cost = loop.executors[0].cost_model
+    assert cost.pp == par.pp and cost.dp == par.dp and cost.ep == par.ep
+    assert dict(cost.beyond) == {} and cost.priced > 0  # every step inside the tables' grid
+

@@ -16,6 +16,7 @@ from core.specs import HardwareSpec, ModelSpec
 from experiments.build import CONF_DIR, build_executors, build_replicas
 from experiments.config import RunConfig, shared_data
 from sim.cost.base import decode_features
+from sim.cost.moe import MoELoad
 from sim.cost.profiled import (
     ABOVE,
     BELOW,
@@ -221,7 +222,8 @@ def test_uneven_decodes_add_the_buckets_alpha_of_the_mean_to_max_gap():
 
 
 @needs_data
-def test_tp2_prices_per_rank_rows_plus_allreduces():
+def test_tp2_prices_per_rank_rows_plus_link_allreduces():
+    """The RTX PRO 6000 has no NCCL table: two all-reduces per layer on its PCIe link, by hand."""
     cm1 = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT))
     cm2 = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), tp=2)
     f = decode_features(16, 1025)
@@ -229,8 +231,109 @@ def test_tp2_prices_per_rank_rows_plus_allreduces():
     assert b2["gate_up_proj"] < 0.6 * b1["gate_up_proj"]  # half-width shards
     assert b2["layernorm"] == b1["layernorm"]  # TP-stable rows are tp1's copies
     hidden_bytes = 16 * 4096 * 2
-    want = 2 * 32 * (cm2.allreduce_latency_s + 2 * (2 - 1) / 2 * hidden_bytes / hw().interconnect_bw)
-    assert b2["allreduce"] == pytest.approx(want) and b1["allreduce"] == 0.0
+    # ring over 2 ranks: 2 (2 - 1) hops x 4.3 us + 2 (2 - 1) / 2 x bytes / 63 GB/s, twice per layer, 32 layers
+    assert hw().interconnect_bw == 63e9 and hw().interconnect_latency_s == 4.3e-6
+    want = 2 * 32 * (2 * 4.3e-6 + hidden_bytes / 63e9)
+    assert b2["allreduce"] == pytest.approx(want, rel=1e-12) and b1["allreduce"] == 0.0
+    assert cm2.step_time(f) == pytest.approx(sum(b2.values()), rel=1e-9)
+
+
+@needs_data
+def test_a_measured_nccl_table_prices_the_profiled_allreduce():
+    """With hardware.network_profile naming a measured table, the profiled model's all-reduce is comm.py's lookup,
+    and that is the table's median linear between its two bracketing sizes."""
+    network = shared_data("gpu-measurements", "vidur", "network")
+    h = HardwareSpec.from_mapping({**conf("hardware", "rtxpro6000"), "network_profile": "h100_dgx"})
+    cm = OperatorProfileCostModel(llama(), h, data_dir=str(ROOT), tp=2, network_dir=str(network))
+    nbytes = 16 * 4096 * 2  # 131072: between the measured 124928 and 133120 bytes at 2 workers
+    rows = {float(r["size"]): float(r["time_stats.all_reduce.median"]) * 1e-3
+            for r in rows_of(network / "h100_dgx" / "all_reduce.csv")
+            if r["rank"] == "0" and r["num_workers"] == "2" and r["devices_per_node"] == "2"}
+    lo, hi = 124928.0, 133120.0
+    by_hand = rows[lo] + (rows[hi] - rows[lo]) * (nbytes - lo) / (hi - lo)
+    assert cm.comm.all_reduce_s(nbytes, 2) == pytest.approx(by_hand, rel=1e-12)
+    assert cm.breakdown(decode_features(16, 1025))["allreduce"] == pytest.approx(2 * 32 * by_hand, rel=1e-12)
+    link = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), tp=2)
+    assert link.breakdown(decode_features(16, 1025))["allreduce"] != cm.breakdown(decode_features(16, 1025))[
+        "allreduce"]
+
+
+# ---- pipeline stages and data-parallel ranks with experts --------------------------------------------------------
+@needs_data
+def test_pipeline_stages_split_the_rows_by_hand():
+    """pp = 2 on Llama-3.1-8B: stage 0 runs the embedding and 16 layers and sends 4 tokens' activations over the
+    PCIe link; stage 1 the other 16 layers, the final norm, LM head and sampler. Without the send they sum to the
+    pp = 1 step."""
+    d = PRO / "tp1"
+    one = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT))
+    two = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), pp=2)
+    f = decode_features(4, 1025)
+    layer = sum(k * dense_row(d, name, 4) for name, k in PER_LAYER.items()) + attn_row(d, 0, 0, 4, 1024)
+    send = 4.3e-6 + 4 * 4096 * 2 / 63e9
+    s0, s1 = two.stage_times(f)
+    assert s0 == pytest.approx(dense_row(d, "embedding", 4) + 16 * layer + send, rel=1e-12)
+    assert s1 == pytest.approx(16 * layer + dense_row(d, "final_layernorm", 4) + seq_row(d, "lm_head", 4)
+                               + seq_row(d, "sampler", 4), rel=1e-12)
+    assert s0 + s1 - send == pytest.approx(one.step_time(f), rel=1e-12)
+    assert two.step_time(f) == pytest.approx(s0 + s1 + two.overhead_s, rel=1e-12)
+    assert sum(two.breakdown(f).values()) == pytest.approx(two.step_time(f), rel=1e-12)
+    assert two.breakdown(f)["send_recv"] == pytest.approx(send, rel=1e-12)
+    assert two.stage_times(decode_features(0, 0)) == [0.0, 0.0]
+
+
+QWEN_MOE = ROOT / "RTXPRO6000" / "Qwen" / "Qwen3-30B-A3B-Instruct-2507" / "bf16"
+
+
+def qwen_moe() -> ModelSpec:
+    return ModelSpec.from_mapping(conf("model", "qwen3_30b_a3b"))
+
+
+@needs_data
+def test_dp_ranks_with_experts_meet_at_the_moe_blocks():
+    """dp = 2, ep = 2 on Qwen3-30B-A3B (128 experts, top 8): each rank holds 64 whole experts (tp x dp / ep = 1
+    device per expert) and waits for the busier group: its pairs / 8 tokens over the experts of a group the 40
+    tokens of both ranks touch, in moe.csv, at full width (ep / dp = 1). Each rank pays its own attention and dense
+    rows; the MoE layers' dispatch and combine are all-to-alls of its tokens x 8 activations over the PCIe link."""
+    m = qwen_moe()
+    cm = OperatorProfileCostModel(m, hw(), data_dir=str(ROOT), dp=2, ep=2)
+    load = MoELoad(128, 8, 2)
+    x, experts = load.busiest_pairs(40) / 8, 128 / 2 * (1 - (1 - 8 / 128) ** 40)
+    assert cm.moe_time(40) == pytest.approx(cm.tables.moe.at(x, experts), rel=1e-12)
+    assert 40 / 2 < x < 40  # the busier of two groups gets more than half the pairs
+    a, b = decode_features(30, 513), decode_features(10, 513)
+    both = cm.group_step_time([a, b])
+    assert both == pytest.approx(sum(cm.stage_times(a, 40)) + cm.overhead_s, rel=1e-12)  # the slower rank
+    assert cm.group_step_time([a, decode_features(0, 0)]) < both
+    assert cm.group_step_time([decode_features(0, 0)] * 2) == cm.overhead_s
+    row = 2048 * 2
+    parts = cm.stage_parts(a, 40)[0]
+    assert parts["all_to_all"] == pytest.approx(2 * 48 * (4.3e-6 + 0.5 * 30 * 8 * row / 63e9), rel=1e-12)
+    assert parts["allreduce"] == 0.0 and parts["send_recv"] == 0.0
+    assert parts["moe"] == pytest.approx(48 * cm.moe_time(40), rel=1e-12)
+    one = OperatorProfileCostModel(m, hw(), data_dir=str(ROOT))
+    assert parts["attention"] == pytest.approx(one.breakdown(a)["attention"], rel=1e-12)  # its own batch only
+
+
+@needs_data
+def test_moe_time_at_one_group_is_the_tables_block():
+    """ep = dp = 1 (pp = 2 takes the staged path): the block at the step's tokens and expected activated experts,
+    as the pp = 1 step prices it."""
+    m = qwen_moe()
+    one = OperatorProfileCostModel(m, hw(), data_dir=str(ROOT))
+    two = OperatorProfileCostModel(m, hw(), data_dir=str(ROOT), pp=2)
+    f = decode_features(24, 200)
+    assert two.moe_time(24) == pytest.approx(one.breakdown(f)["moe"] / 48, rel=1e-12)
+    assert sum(two.stage_times(f)) - two.breakdown(f)["send_recv"] == pytest.approx(one.step_time(f), rel=1e-12)
+
+
+@needs_data
+def test_parallel_degrees_are_checked():
+    with pytest.raises(ValueError, match="parallel.ep=2 needs an MoE model"):
+        OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), dp=2, ep=2)
+    with pytest.raises(ValueError, match="parallel.pp=33 stages > model.num_layers=32"):
+        OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), pp=33)
+    with pytest.raises(ValueError, match="parallel.dp"):
+        OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), dp=0)
 
 
 # ---- finding the tables ---------------------------------------------------------------------------------------------
