@@ -418,6 +418,30 @@ def resolve_engine_clock(clock: Any, engine: EngineOptions | None, tp: int = 1) 
     return clock
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """What one device of a pipeline stage holds: its decoder ``layers``, its weights (1/tp of the stage's dense
+    weights, 1/(tp x dp) of its routed experts, the embedding on the first stage and the LM head on the last) and
+    the KV bytes one token and one block take on it (1/tp of the KV heads, MLA's latent whole)."""
+
+    layers: range
+    weight_bytes: float
+    kv_bytes_per_token: float
+    kv_bytes_per_block: float
+
+
+def stage_memory(quant: QuantSpec, model: ModelSpec, parallel: ParallelConfig, block_size: int) -> list[StageMemory]:
+    """Per pipeline stage, what one of its devices holds (``num_kv_blocks`` sizes the pool from these)."""
+    par, stages = parallel, arithmetic.stage_layers(model, parallel.pp)
+    out = []
+    for i, layers in enumerate(stages):
+        kv_tok = arithmetic.kv_bytes_per_token_of_stage(model, quant.kv_bits, par.tp, layers)
+        w = arithmetic.weight_bytes_per_device(model, quant.weight_bits, quant.group_size, par.tp, layers,
+                                               par.tp * par.dp, i == 0, i == len(stages) - 1)
+        out.append(StageMemory(layers, w, kv_tok, kv_tok * block_size))
+    return out
+
+
 def num_kv_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec, hardware: HardwareSpec,
                   parallel: ParallelConfig | None = None) -> int:
     """``kv.num_blocks``, else ``kv.memory_bytes`` (per device) worth of blocks, else what each device's memory holds
@@ -429,15 +453,12 @@ def num_kv_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec, hardware: Ha
     if kv.num_blocks is not None:
         return kv.num_blocks
     par = parallel or ParallelConfig()
-    stages = arithmetic.stage_layers(model, par.pp)
-    per_block = [arithmetic.kv_bytes_per_token_of_stage(model, quant.kv_bits, par.tp, layers) * kv.block_size
-                 for layers in stages]
+    stages = stage_memory(quant, model, par, kv.block_size)
+    per_block = [s.kv_bytes_per_block for s in stages]
     if kv.memory_bytes is not None:
         budgets, key = [kv.memory_bytes] * len(stages), f"kv.memory_bytes={kv.memory_bytes!r}"
     else:
-        weights = [arithmetic.weight_bytes_per_device(model, quant.weight_bits, quant.group_size, par.tp, layers,
-                                                      par.tp * par.dp, i == 0, i == len(stages) - 1)
-                   for i, layers in enumerate(stages)]
+        weights = [s.weight_bytes for s in stages]
         usable = hardware.mem_bytes * kv.memory_fraction
         budgets = [usable - w for w in weights]
         key = f"kv.memory_fraction={kv.memory_fraction!r}"

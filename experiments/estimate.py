@@ -1,10 +1,13 @@
-"""Do the arithmetic first: weight and KV bytes, KV capacity, and roofline prefill/decode bounds per batch size.
+"""Do the arithmetic first: weight and KV bytes, KV capacity, and roofline prefill/decode bounds per batch size;
+for a parallel deployment, what each device of each pipeline stage holds.
 
     python -m experiments.estimate model=llama2_70b hardware=h100 parallel.tp=4 quant.weight_bits=4
+    python -m experiments.estimate model=qwen3_30b_a3b hardware=h100 parallel.dp=4 parallel.ep=4
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -15,14 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 from core import arithmetic as ar
 from core.batch import StepFeatures
 from core.checks import check_bool, check_fraction, check_int, check_keys
-from core.specs import HardwareSpec, ModelSpec
+from core.specs import HardwareSpec, ModelSpec, QuantSpec
 from experiments.cli import hydra_app
+from experiments.config import ParallelConfig, stage_memory
 from sim.cost.base import as_hardware_spec, as_model_spec, decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
 
-ESTIMATE_KEYS = ("batch_sizes", "context", "prefill_len", "memory_fraction", "json")
+ESTIMATE_KEYS = ("batch_sizes", "context", "prefill_len", "memory_fraction", "block_size", "json")
 ROOFLINE_KEYS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp")
-PARALLEL_ONLY = ("pp", "dp", "ep", "moe_imbalance", "network_dir")  # roofline keys the estimate leaves out
+PARALLEL_ONLY = ("pp", "dp", "ep", "moe_imbalance", "network_dir")  # roofline keys the step rows leave out
 
 
 def _step(lower: RooflineCostModel, est: RooflineCostModel, f: StepFeatures, tokens: int) -> dict[str, Any]:
@@ -46,16 +50,43 @@ def _step(lower: RooflineCostModel, est: RooflineCostModel, f: StepFeatures, tok
             "tokens_per_s_max": tokens / t_min, "tokens_per_s_est": tokens / t_est}
 
 
+def deployment_split(model: ModelSpec, hardware: HardwareSpec, parallel: ParallelConfig, *, weight_bits: int = 16,
+                     kv_bits: int = 16, group_size: int = 128, memory_fraction: float = 0.9,
+                     block_size: int = 16) -> dict[str, Any]:
+    """What one device of each pipeline stage holds (``experiments.config.stage_memory``: the pool sizing's own
+    numbers), the KV blocks its memory left after its weights holds, and the replica's pool: the fullest stage's
+    blocks per device (each dp rank has a pool of that size; pp virtual engines split it)."""
+    parallel.check(model)
+    check_int(block_size, "estimate.block_size", 1)
+    quant = QuantSpec(weight_bits=weight_bits, kv_bits=kv_bits, group_size=group_size)
+    usable = memory_fraction * hardware.mem_bytes
+    stages = [{"stage": i, "layers": [s.layers.start, s.layers.stop], "weight_bytes_per_device": s.weight_bytes,
+               "kv_bytes_per_token_per_device": s.kv_bytes_per_token, "kv_bytes_per_block_per_device":
+               s.kv_bytes_per_block, "kv_budget_bytes": usable - s.weight_bytes,
+               "kv_blocks_per_device": max(0, int((usable - s.weight_bytes) // s.kv_bytes_per_block))}
+              for i, s in enumerate(stage_memory(quant, model, parallel, block_size))]
+    pool = min(st["kv_blocks_per_device"] for st in stages)
+    out = {**dataclasses.asdict(parallel), "devices": parallel.devices, "block_size": block_size, "stages": stages,
+           "kv_blocks_per_device": pool, "kv_blocks_per_virtual_engine": pool // parallel.pp, "kv_pools": parallel.dp}
+    if model.moe is not None:
+        out["experts_per_group"] = model.moe.num_experts // parallel.ep  # ep groups of experts ...
+        out["devices_per_expert"] = parallel.tp * parallel.dp // parallel.ep  # ... each sharded over these
+    return out
+
+
 def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16, kv_bits: int = 16,
              group_size: int = 128, tp: int = 1, compute_eff: float = 1.0, bw_eff: float = 1.0,
              overhead_s: float = 0.0, batch_sizes: Sequence[int] = (1, 8, 32, 128, 256), context: int = 2048,
-             prefill_len: int = 2048, memory_fraction: float = 0.9) -> dict[str, Any]:
+             prefill_len: int = 2048, memory_fraction: float = 0.9, pp: int = 1, dp: int = 1, ep: int = 1,
+             block_size: int = 16) -> dict[str, Any]:
     """All numbers per device. Lower bounds use datasheet peaks; ``*_est`` use the given efficiencies + overhead.
 
     The quantised speed-up is the estimated 16-bit decode step time over the quantised one at the same batch.
     Bytes count what the engine stores (``core.arithmetic``): a scale and a zero point per quantised weight group,
     and int8 KV's float32 scales, so ``kv_capacity_gain`` of int8 KV is 2·Dh / (Dh + 4), not 2. ``active_params``:
-    the parameters one token uses (a mixture of experts' top_k routed experts, not all of them).
+    the parameters one token uses (a mixture of experts' top_k routed experts, not all of them). The step rows
+    are one tensor-parallel replica's; ``parallel`` (``deployment_split``) is what each device of a tp x pp x dp
+    (x ep) deployment holds.
     """
     if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ValueError(f"estimate.batch_sizes={batch_sizes!r}; allowed: a non-empty list of integers >= 1")
@@ -96,6 +127,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
         "ridge_point": hw.peak_flops / hw.mem_bw, "memory": memory,
         "prefill": {"tokens": prefill_len, **_step(lower, est, prefill_features(prefill_len), prefill_len)},
         "decode": decode,
+        "parallel": deployment_split(m, hw, ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep), weight_bits=weight_bits,
+                                     kv_bits=kv_bits, group_size=group_size, memory_fraction=memory_fraction,
+                                     block_size=block_size),
     }
 
 
@@ -132,6 +166,7 @@ def format_table(r: dict[str, Any]) -> str:
                  f"intensity {p['intensity']:.0f} FLOP/B, {p['bound']}-bound ({p['compute_share']:.0%} compute-"
                  f"limited), >= {p['time_lower_bound_s'] * 1e3:.3g}"
                  f" ms (est {p['time_est_s'] * 1e3:.3g} ms, {_si(p['tokens_per_s_est'], 'tok/s')})")
+    lines += _split_lines(r["parallel"])
     lines.append(f"decode steps at context {mem['context']}:")
     head = ["batch", "FLOPs", "weights", "KV read", "FLOP/B", "bound", "compute %", "t_min ms", "t_est ms", "tok/s max",
             "tok/s est", "fits"] + ([f"W{r['weight_bits']} speed-up"] if quant else [])
@@ -145,6 +180,26 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _split_lines(par: dict[str, Any]) -> list[str]:
+    """The per-device split of a deployment beyond one device (none for tp = pp = dp = ep = 1)."""
+    if par["devices"] == 1 and par["ep"] == 1:
+        return []
+    moe = f"; {par['experts_per_group']} experts per ep group, each over {par['devices_per_expert']} device(s)" \
+        if "experts_per_group" in par else ""
+    lines = [f"deployment tp={par['tp']} pp={par['pp']} dp={par['dp']} ep={par['ep']}: {par['devices']} devices per "
+             f"replica{moe}; one device of each stage holds:"]
+    head = ["stage", "layers", "weights", "KV/token", f"KV/block ({par['block_size']} tok)", "KV budget", "KV blocks"]
+    rows = [[str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1] - 1}", _si(s["weight_bytes_per_device"], "B"),
+             _si(s["kv_bytes_per_token_per_device"], "B"), _si(s["kv_bytes_per_block_per_device"], "B"),
+             _si(s["kv_budget_bytes"], "B"), str(s["kv_blocks_per_device"])] for s in par["stages"]]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *rows]]
+    lines.append(f"KV pool: {par['kv_blocks_per_device']} blocks per device (the fullest stage)"
+                 + (f", {par['kv_blocks_per_virtual_engine']} per virtual engine (pp={par['pp']})" if par["pp"] > 1
+                    else "") + (f", one pool per dp rank ({par['kv_pools']})" if par["kv_pools"] > 1 else ""))
+    return lines
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """The estimate for a composed ``estimate`` config (what ``main`` prints)."""
     opts = OmegaConf.to_container(cfg.estimate, resolve=True)
@@ -156,8 +211,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"cost_model._target_={target!r}; the estimate needs a roofline cost model "
                          "(cost_model=roofline)")
     cm.pop("model", None), cm.pop("hardware", None)
-    for key in PARALLEL_ONLY:  # the estimate is of one tensor-parallel replica (docs/parallelism.md for the rest)
+    for key in PARALLEL_ONLY:  # the step rows are one tensor-parallel replica's; the split reads cfg.parallel
         cm.pop(key, None)
+    par = cfg.get("parallel") or {}
+    opts |= {k: par[k] for k in ("pp", "dp", "ep") if k in par}
     check_keys("cost_model", cm, ROOFLINE_KEYS)
     opts.pop("json", None)
     return estimate(as_model_spec(cfg.model), as_hardware_spec(cfg.hardware), **cm, **opts)

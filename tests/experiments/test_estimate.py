@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from core.specs import HardwareSpec, ModelSpec
 from experiments.estimate import estimate, format_table, main, run
+from sim.cost.base import as_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA3_8B = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256)
@@ -118,3 +119,47 @@ def test_moe_model_reports_total_and_active_params(capsys):
     assert r["kv_bytes_per_token"] == (512 + 64) * 27 * 2  # MLA: the latent and its RoPE key
     assert "2.66 G active per token" in format_table(r)
     assert "active" not in format_table(estimate(LLAMA3_8B, H100, batch_sizes=[1])).split("|")[0]
+
+
+def test_pipeline_split_per_device_by_hand():
+    """Llama-3-8B at tp 2 x pp 2 on 80 GB: a stage holds 16 layers of 218,103,808 linear parameters (half per
+    device) and their 2 x 4096 norm weights; the first stage half the embedding, the last half the LM head and the
+    final norm; KV per token per device: K and V x 16 layers x 4 of 8 KV heads x 128 x 2 bytes."""
+    r = estimate(LLAMA3_8B, H100, tp=2, pp=2, block_size=16)
+    par = r["parallel"]
+    s0, s1 = par["stages"]
+    layers = 2 * (16 * 218_103_808 // 2 + 16 * 8192)
+    half_vocab = 2 * 128256 * 4096 // 2
+    assert (s0["layers"], s1["layers"]) == ([0, 16], [16, 32])
+    assert s0["weight_bytes_per_device"] == layers + half_vocab == 4_015_259_648
+    assert s1["weight_bytes_per_device"] == layers + half_vocab + 2 * 4096 == 4_015_267_840
+    assert s0["kv_bytes_per_token_per_device"] == s1["kv_bytes_per_token_per_device"] == 2 * 16 * 4 * 128 * 2
+    assert s1["kv_bytes_per_block_per_device"] == 16 * 32768
+    assert s1["kv_blocks_per_device"] == (72e9 - 4_015_267_840) // (16 * 32768) == 129_670
+    assert par["kv_blocks_per_device"] == 129_670 and par["kv_blocks_per_virtual_engine"] == 64_835
+    assert par["devices"] == 4 and par["kv_pools"] == 1
+    text = format_table(r)
+    assert "deployment tp=2 pp=2 dp=1 ep=1: 4 devices" in text and "64835 per virtual engine" in text
+    assert "deployment" not in format_table(estimate(LLAMA3_8B, H100))  # one device: no split
+
+
+def test_data_parallel_experts_split_by_hand():
+    """Qwen3-30B-A3B at dp 2 x ep 2: each device keeps the attention and routers whole and half of the 48 layers x
+    128 experts x 3 x 2048 x 768 routed parameters (64 experts per ep group, each on one device); two pools."""
+    m = as_model_spec(_compose("model=qwen3_30b_a3b").model)
+    one = estimate(m, H100)["parallel"]
+    dp2 = estimate(m, H100, dp=2, ep=2)["parallel"]
+    routed_bytes = 48 * 128 * 3 * 2048 * 768 * 2
+    assert one["stages"][0]["weight_bytes_per_device"] - dp2["stages"][0]["weight_bytes_per_device"] \
+        == routed_bytes / 2
+    assert dp2["stages"][0]["kv_bytes_per_token_per_device"] == one["stages"][0]["kv_bytes_per_token_per_device"]
+    assert dp2["experts_per_group"] == 64 and dp2["devices_per_expert"] == 1 and dp2["kv_pools"] == 2
+    assert dp2["kv_blocks_per_device"] > one["kv_blocks_per_device"]
+    with pytest.raises(ValueError, match="parallel.ep"):
+        estimate(LLAMA3_8B, H100, dp=2, ep=2)
+
+
+def test_the_cli_config_carries_the_deployment():
+    r = run(_compose("model=llama3_8b", "parallel.tp=2", "parallel.pp=2", "estimate.block_size=32"))
+    assert r["parallel"]["pp"] == 2 and r["parallel"]["block_size"] == 32
+    assert r["parallel"]["stages"][0]["kv_bytes_per_block_per_device"] == 32 * 32768
