@@ -235,16 +235,22 @@ def build_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
     return _sim_executors(run, replicas) if run.sim is not None else _engine_executors(run, replicas)
 
 
-def _sim_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
-    from sim.executor import CostModelExecutor
-    from sim.noise import StepNoise
-
+def sim_cost_model(run: RunConfig, **changes: Any) -> Any:
+    """The run's cost model, its data folders filled in from shared/data where the config leaves them null (the
+    published profiles, the measured NCCL tables); ``changes``: keys of the cost_model group to override."""
     node = run.config.cost_model
     data = {"data_dir": str(shared_data("gpu-measurements", "llmservingsim"))} \
         if "data_dir" in node and node.data_dir is None and not node.get("profile") else {}
     if "network_dir" in node and node.network_dir is None and run.hardware.network_profile:
         data["network_dir"] = str(shared_data("gpu-measurements", "vidur", "network"))
-    cost = instantiate_group(node, "cost_model", model=run.model, hardware=run.hardware, **data)
+    return instantiate_group(node, "cost_model", model=run.model, hardware=run.hardware, **{**data, **changes})
+
+
+def _sim_executors(run: RunConfig, replicas: list[Replica]) -> list[Executor]:
+    from sim.executor import CostModelExecutor
+    from sim.noise import StepNoise
+
+    cost = sim_cost_model(run)
     if run.parallel.pp > 1 or run.parallel.dp > 1:
         return parallel_executors(run, cost, replicas)
     noise = step_noise(run)  # seeded per replica: replicas are machines of their own

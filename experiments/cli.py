@@ -35,7 +35,7 @@ COMMANDS = {
     "gateway": "experiments.serving.gateway.main",
     "calibrate": "experiments.calibration.calibrate", "compare": "experiments.calibration.compare",
     "pipeline": "experiments.calibration.pipeline", "published": "experiments.calibration.published",
-    "op_errors": "experiments.calibration.op_errors",
+    "op_errors": "experiments.calibration.op_errors", "step_breakdown": "experiments.calibration.breakdown",
     "fidelity": "experiments.calibration.fidelity",
     "study": "experiments.studies.study", "capacity": "experiments.studies.capacity",
     "quant_study": "experiments.studies.quant_study", "quant_quality": "experiments.studies.quant_quality",
