@@ -59,14 +59,17 @@ def grouped(parts: Mapping[str, float]) -> dict[str, float]:
 
 def tp1_route(tp_parts: Mapping[str, float], tp1_parts: Mapping[str, float], tp: int) -> dict[str, dict[str, float]]:
     """Per operator: the TP-N tables' seconds, the TP-1 tables' split by ``tp`` (TP-stable rows whole), their
-    ratio; collectives are the same in both routes (one collective model) and are left out."""
+    ratio, and their ``total``; collectives are the same in both routes (one collective model) and are left out,
+    as are parts neither route has."""
     out = {}
     for k in sorted(set(tp_parts) | set(tp1_parts)):
-        if k in COLLECTIVES or k == "overhead":
-            continue
         a, one = tp_parts.get(k, 0.0), tp1_parts.get(k, 0.0)
+        if k in COLLECTIVES or k == "overhead" or not (a or one):
+            continue
         b = one if k in TP_STABLE else one / tp
         out[k] = {"tp_tables_s": a, "tp1_split_s": b, "ratio": b / a if a else float("nan")}
+    a, b = sum(v["tp_tables_s"] for v in out.values()), sum(v["tp1_split_s"] for v in out.values())
+    out["total"] = {"tp_tables_s": a, "tp1_split_s": b, "ratio": b / a if a else float("nan")}
     return out
 
 

@@ -24,10 +24,11 @@ def test_parts_group_by_what_they_are():
 
 
 def test_tp1_route_splits_sharded_rows_and_keeps_stable_ones():
-    tp2 = {"qkv_proj": 1.0, "layernorm": 0.5, "sampler": 0.2, "allreduce": 9.0, "overhead": 0.0}
-    tp1 = {"qkv_proj": 1.8, "layernorm": 0.5, "sampler": 0.2, "allreduce": 0.0, "overhead": 0.0}
+    tp2 = {"qkv_proj": 1.0, "layernorm": 0.5, "sampler": 0.2, "allreduce": 9.0, "overhead": 0.0, "moe": 0.0}
+    tp1 = {"qkv_proj": 1.8, "layernorm": 0.5, "sampler": 0.2, "allreduce": 0.0, "overhead": 0.0, "moe": 0.0}
     r = tp1_route(tp2, tp1, 2)
-    assert set(r) == {"qkv_proj", "layernorm", "sampler"}  # one collective model: not compared
+    assert set(r) == {"qkv_proj", "layernorm", "sampler", "total"}  # one collective model: not compared
+    assert r["total"]["tp_tables_s"] == 1.7 and r["total"]["tp1_split_s"] == pytest.approx(1.6)
     assert r["qkv_proj"] == {"tp_tables_s": 1.0, "tp1_split_s": 0.9, "ratio": 0.9}
     assert r["layernorm"]["ratio"] == 1.0 and r["sampler"]["tp1_split_s"] == 0.2
 
