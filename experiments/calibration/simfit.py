@@ -223,6 +223,7 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     groups = [train, *(list(g) for g in anchors)]
     targets = [(Simulator(measured_cfg(cfg, g[0]), base_path), measured_quantiles(g)) for g in groups]
     evals: list[float] = []
+    best_seen: list[tuple[float, np.ndarray]] = []  # Powell's returned x is not always the best point it evaluated
 
     def group_losses(model: Any, p: Mapping[str, float]) -> list[tuple[float, dict[str, np.ndarray]]]:
         noise = noise_record(p["noise_sigma"], block, seed)
@@ -243,6 +244,8 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
         p = params_of(x)
         model, terms = candidate(base, p)
         evals.append(float(np.mean([g[0] for g in group_losses(with_server_terms(model, terms), p)])))
+        if not best_seen or evals[-1] < best_seen[0][0]:
+            best_seen[:] = [(evals[-1], np.clip(x, 0.0, 1.0).copy())]
         return evals[-1]
 
     x0 = np.array([(min(max(start[k], PARAMS[k][0]), PARAMS[k][1]) - PARAMS[k][0]) / (PARAMS[k][1] - PARAMS[k][0])
@@ -252,6 +255,7 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     for _ in range(max(passes, 1)):
         x = minimize(objective, x, method="Powell", bounds=[(0.0, 1.0)] * len(names),
                      options={"maxfev": max_evals, "xtol": 1e-3, "ftol": 1e-4}).x
+        x = best_seen[0][1]  # a pass cut off by maxfev returns its current point, which may be worse
     best = params_of(x)
     model, terms = candidate(base, best)
     noise = noise_record(best["noise_sigma"], block, seed)

@@ -85,9 +85,12 @@ def summarize(before: Samples, after: Samples) -> dict[str, Any]:
     n, s = _total(d.get("iteration_tokens_total_count")), _total(d.get("iteration_tokens_total_sum"))
     if n:
         out["iterations"], out["tokens_per_iteration"] = int(n), s / n
-    for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total"):
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
         if (v := _total(d.get(name))) is not None:
             out[name] = int(v)
+    if out.get("prefix_cache_queries_total"):  # tokens looked up vs found: the share of prompt tokens not computed
+        out["prefix_hit_rate"] = out.get("prefix_cache_hits_total", 0) / out["prefix_cache_queries_total"]
     for name in GAUGES:
         if (v := _total(after.get(name))) is not None:
             out[name] = v
@@ -105,6 +108,10 @@ def write(run_dir: str | Path, before: Samples | None, after: Samples | None) ->
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
-    """The ``summary`` of a run directory's server_metrics.json (None when the run has none)."""
+    """The ``summary`` of a run directory's server_metrics.json (None when the run has none), recomputed from its
+    ``before`` / ``after`` samples, so a file written by an older reader gains what this one reads."""
     path = Path(run_dir) / FILE
-    return json.loads(path.read_text())["summary"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    body = json.loads(path.read_text())
+    return summarize(body["before"], body["after"]) if "before" in body and "after" in body else body["summary"]

@@ -3,6 +3,8 @@ deltas and the summary by hand, our server's metrics under the same names, a ser
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from core.batch import Batch, Chunk
@@ -29,13 +31,17 @@ vllm:iteration_tokens_total_count{engine="0",model_name="m"} %(it)s
 vllm:iteration_tokens_total_sum{engine="0",model_name="m"} %(itsum)s
 # TYPE vllm:generation_tokens counter
 vllm:generation_tokens_total{engine="0",model_name="m"} %(gen)s
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} %(pq)s
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} %(ph)s
 # TYPE other_metric counter
 other_metric_total 5.0
 """
 
 
 def text(**kw):
-    return VLLM_TEXT % {"running": 0, "q": 0, "qsum": 0, "it": 0, "itsum": 0, "gen": 0, **kw}
+    return VLLM_TEXT % {"running": 0, "q": 0, "qsum": 0, "it": 0, "itsum": 0, "gen": 0, "pq": 0, "ph": 0, **kw}
 
 
 def test_vllm_text_parsed_and_summarised_by_hand():
@@ -49,6 +55,20 @@ def test_vllm_text_parsed_and_summarised_by_hand():
     assert s["queue_count"] == 20 and s["queue_mean_s"] == pytest.approx(4.0 / 20)
     assert s["iterations"] == 200 and s["tokens_per_iteration"] == pytest.approx(6400 / 200)
     assert s["generation_tokens_total"] == 2000 and s["num_requests_running"] == 3
+    assert "prefix_hit_rate" not in s  # no lookups in the run: no rate, not a zero one
+
+
+def test_prefix_hits_and_an_old_file_summarised_again(tmp_path):
+    before = scrape.parse(text(pq=1000, ph=100))
+    after = scrape.parse(text(pq=5000, ph=1100))
+    s = scrape.summarize(before, after)
+    assert s["prefix_cache_queries_total"] == 4000 and s["prefix_cache_hits_total"] == 1000
+    assert s["prefix_hit_rate"] == pytest.approx(0.25)
+    path = scrape.write(tmp_path, before, after)
+    body = json.loads(path.read_text())
+    body["summary"] = {"num_gpu_blocks": 1}  # as an older reader wrote it
+    path.write_text(json.dumps(body))
+    assert scrape.read_summary(tmp_path)["prefix_hit_rate"] == pytest.approx(0.25)
 
 
 def test_our_server_exports_the_names_a_measurement_reads():
