@@ -123,13 +123,19 @@ def quantiles(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {m: np.quantile(a[m], QUANTILES) if len(a[m]) else np.full(len(QUANTILES), np.nan) for m in METRICS}
 
 
-def loss(sim_q: Mapping[str, np.ndarray], meas_q: Mapping[str, np.ndarray]) -> float:
-    """Mean squared log(simulated / measured) over metrics and quantiles (a missing value costs 1)."""
+def loss(sim_q: Mapping[str, np.ndarray], meas_q: Mapping[str, np.ndarray],
+         meas_sd: Mapping[str, np.ndarray] | None = None, sd_floor: float = 0.1) -> float:
+    """Mean squared log(simulated / measured) over metrics and quantiles (a missing value costs 1).
+
+    ``meas_sd``: the measured log quantiles' standard deviation over repeated runs; each term is then weighted by
+    sd_floor² / (sd_floor² + sd²), so a quantile the server itself does not repeat (a profile's TTFT that moved 7x
+    across rounds) steers the fit less than one it repeats within ``sd_floor``; one run (sd 0) weighs 1."""
     terms = []
     for m in METRICS:
         s, y = sim_q[m], meas_q[m]
         r = np.log(np.maximum(s, 1e-9) / np.maximum(y, 1e-9))
-        terms += [1.0 if not math.isfinite(v) else v * v for v in r.tolist()]
+        w = np.ones_like(r) if meas_sd is None else sd_floor ** 2 / (sd_floor ** 2 + np.asarray(meas_sd[m]) ** 2)
+        terms += [1.0 if not math.isfinite(v) else wi * v * v for v, wi in zip(r.tolist(), w.tolist(), strict=True)]
     return float(np.mean(terms))
 
 
@@ -189,11 +195,14 @@ def base_model(base_path: str | Path) -> LinearCostModel:
     return m
 
 
-def measured_quantiles(run_dirs: Sequence[str | Path]) -> dict[str, np.ndarray]:
+def measured_quantiles(run_dirs: Sequence[str | Path]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Each metric's quantiles, the median over runs of the same request list (one run: its own): repeated
-    measurements of a noisy server are fitted at their middle, not at one draw."""
+    measurements of a noisy server are fitted at their middle, not at one draw; and the standard deviation of their
+    logs over the runs (0 for one run), ``loss``'s weights."""
     per_run = [quantiles(measured_arrays(d)) for d in run_dirs]
-    return {m: np.median(np.stack([q[m] for q in per_run]), axis=0) for m in METRICS}
+    stacked = {m: np.stack([q[m] for q in per_run]) for m in METRICS}
+    return ({m: np.median(v, axis=0) for m, v in stacked.items()},
+            {m: np.log(np.maximum(v, 1e-9)).std(axis=0) for m, v in stacked.items()})
 
 
 def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path: str | Path, out_dir: str | Path,
@@ -202,7 +211,8 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
     from ``base_path`` (a linear calibration); writes ``out_dir/calibrated.yaml`` and ``simfit.json``; returns
     simfit.json's dict (``path``: the calibration). ``options``: ``params`` (names of ``PARAMS``), ``max_evals``
     (simulations per Powell pass), ``passes`` (Powell restarts from the best point), ``seed`` and
-    ``noise_block_steps`` (the fitted step noise). ``anchors``: more groups of runs (each one request list, e.g.
+    ``noise_block_steps`` (the fitted step noise), ``spread_weights`` (``loss``'s weights from the repeats' spread,
+    default on). ``anchors``: more groups of runs (each one request list, e.g.
     the profiling runs) simulated and fitted alongside, the loss the mean over groups: a loaded workload alone
     (short prompts, long answers) cannot tell a prefill's cost, which its extrapolation to other prompts needs."""
     from scipy.optimize import minimize
@@ -215,22 +225,23 @@ def fit(cfg: DictConfig, train_dir: str | Path | Sequence[str | Path], base_path
         raise ValueError(f"fidelity.fit.params: unknown {unknown}; allowed: {list(PARAMS)}")
     max_evals, passes = int(options.get("max_evals", 250)), int(options.get("passes", 1))
     seed, block = int(options.get("seed", 0)), int(options.get("noise_block_steps") or NOISE_BLOCK_STEPS)
+    weighted = bool(options.get("spread_weights", True))  # loss terms weighed by the measured repeat spread
     base = base_model(base_path)
     start = {"prefill_scale": 1.0, "decode_scale": 1.0, "context_scale": 1.0, "per_prefill_token_s": 0.0,
              "per_step_s": 0.0, "per_running_seq_s": 0.0, "per_output_token_s": 0.0, "overlap": 0.0,
              "frontend_delay_s": calibrated_frontend_delay(base_path), "noise_sigma": 0.0}
     train = [train_dir] if isinstance(train_dir, str | Path) else list(train_dir)
     groups = [train, *(list(g) for g in anchors)]
-    targets = [(Simulator(measured_cfg(cfg, g[0]), base_path), measured_quantiles(g)) for g in groups]
+    targets = [(Simulator(measured_cfg(cfg, g[0]), base_path), *measured_quantiles(g)) for g in groups]
     evals: list[float] = []
     best_seen: list[tuple[float, np.ndarray]] = []  # Powell's returned x is not always the best point it evaluated
 
     def group_losses(model: Any, p: Mapping[str, float]) -> list[tuple[float, dict[str, np.ndarray]]]:
         noise = noise_record(p["noise_sigma"], block, seed)
         out = []
-        for sim, meas_q in targets:
+        for sim, meas_q, meas_sd in targets:
             q = quantiles(state_arrays(sim.states(model, p["frontend_delay_s"], noise)))
-            out.append((loss(q, meas_q), q))
+            out.append((loss(q, meas_q, meas_sd if weighted else None), q))
         return out
 
     def params_of(x: np.ndarray) -> dict[str, float]:

@@ -107,3 +107,24 @@ def test_fitted_step_noise_widens_the_simulated_spread_and_keeps_the_mean(tmp_pa
     quiet = simfit.state_arrays(sim.states(BASE, 0.0))["itl"]
     noisy = simfit.state_arrays(sim.states(BASE, 0.0, rec))["itl"]
     assert np.std(np.log(noisy)) > np.std(np.log(quiet)) + 0.1
+
+
+def test_loss_weighs_each_quantile_by_the_measured_repeat_spread():
+    q = np.array([1.0, 2.0])
+    meas = {m: q for m in simfit.METRICS}
+    sim = {m: q * np.array([np.e, 1.0]) for m in simfit.METRICS}  # log error 1 on the first quantile, 0 on the second
+    n = 2 * len(simfit.METRICS)
+    assert simfit.loss(sim, meas) == pytest.approx(len(simfit.METRICS) / n)
+    sd = {m: np.array([0.3, 0.0]) for m in simfit.METRICS}  # the first quantile moved ~30% across rounds
+    assert simfit.loss(sim, meas, sd) == pytest.approx(0.01 / (0.01 + 0.09) * len(simfit.METRICS) / n)
+    assert simfit.loss(sim, meas, {m: np.zeros(2) for m in simfit.METRICS}) == simfit.loss(sim, meas)
+
+
+def test_measured_quantiles_give_the_spread_of_repeats(tmp_path):
+    cfg = cfg_with()
+    cal = write_calibration(tmp_path / "c.yaml", BASE)
+    run(with_calibration(cfg, cal), tmp_path / "a")
+    med, sd = simfit.measured_quantiles([tmp_path / "a"])
+    assert all((sd[m] == 0).all() for m in simfit.METRICS)  # one run: no spread, every weight 1
+    med2, sd2 = simfit.measured_quantiles([tmp_path / "a", tmp_path / "a"])
+    assert all(np.allclose(med[m], med2[m]) and (sd2[m] == 0).all() for m in simfit.METRICS)
