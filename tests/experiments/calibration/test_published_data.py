@@ -37,7 +37,8 @@ def loaded():
 
 def peak(ds) -> np.ndarray:
     """The 100%-efficiency, zero-overhead roofline: nothing real can beat it."""
-    m = RooflineCostModel(ds.model, ds.hardware, compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, tp=ds.tp)
+    m = RooflineCostModel(ds.model, ds.hardware, compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, tp=ds.tp,
+                          kernel_s=0.0)
     if ds.ops is None:
         return predict(m, ds.measurements)
     return np.array([sum(m.breakdown(f)[g] for g in ds.ops for f in steps_of(x)) for x in ds.measurements])
