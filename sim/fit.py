@@ -178,7 +178,7 @@ class _RooflineTerms:
 
     compute: np.ndarray  # (steps, groups) seconds at peak FLOP/s
     memory: np.ndarray  # (steps, groups) seconds at peak bandwidth
-    fixed: np.ndarray  # (steps,) all-reduce seconds (not scaled by the efficiencies)
+    fixed: np.ndarray  # (steps,) collective and kernel-launch seconds (not scaled by the efficiencies)
     owner: np.ndarray  # (steps,) which measurement each step belongs to
     num_rows: int
 

@@ -297,8 +297,6 @@ class RooflineCostModel:
         return t.tolist()
 
 
-
-
 def kernels_of_stage(m: ModelSpec, layers: range, first: bool, last: bool) -> int:
     """Kernels one device launches for a step of the stage running ``layers`` (``first``: it embeds the tokens,
     ``last``: it runs the LM head and the sampler); the same at every tp (the module constants count them)."""
