@@ -289,12 +289,14 @@ class HardwareSpec:
     interconnect_latency_s: float = 0.0  # per hop of a collective between peers (ring step, send/recv)
     network_profile: str | None = None  # measured NCCL tables for these peers (gpu-measurements/vidur/network/<name>)
     price_per_hour: float = 0.0  # list price of one device-hour in USD (0: unknown); goodput per dollar
+    kernel_launch_s: float = 0.0  # seconds one kernel launch costs an eager-mode engine (0: not priced)
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "mem_bw", "mem_bytes"):
             if float(getattr(self, key)) <= 0:
                 raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("host_link_bw", "host_link_latency_s", "interconnect_latency_s", "price_per_hour"):
+        for key in ("host_link_bw", "host_link_latency_s", "interconnect_latency_s", "price_per_hour",
+                    "kernel_launch_s"):
             if float(getattr(self, key)) < 0:
                 raise ValueError(f"hardware.{key} must be >= 0, got {getattr(self, key)}")
 

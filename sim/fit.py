@@ -178,7 +178,7 @@ class _RooflineTerms:
 
     compute: np.ndarray  # (steps, groups) seconds at peak FLOP/s
     memory: np.ndarray  # (steps, groups) seconds at peak bandwidth
-    fixed: np.ndarray  # (steps,) all-reduce seconds (not scaled by the efficiencies)
+    fixed: np.ndarray  # (steps,) collective and kernel-launch seconds (not scaled by the efficiencies)
     owner: np.ndarray  # (steps,) which measurement each step belongs to
     num_rows: int
 
@@ -207,7 +207,8 @@ def _roofline_terms(ref: RooflineCostModel, features: Sequence[Measurement],
             compute.append([op[g].flops / peak if g in op else 0.0 for g in groups])
             memory.append([op[g].bytes / bw if g in op else 0.0 for g in groups])
             parts = ref.breakdown(f)
-            fixed.append(sum(parts[k] for k in COMM) if ops is None or "allreduce" in ops else 0.0)
+            fixed.append((sum(parts[k] for k in COMM) if ops is None or "allreduce" in ops else 0.0)
+                         + (parts["kernels"] if ops is None else 0.0))
             owner.append(i)
     shape = (len(owner), len(groups))
     return _RooflineTerms(np.array(compute, float).reshape(shape), np.array(memory, float).reshape(shape),

@@ -83,7 +83,9 @@ def markdown(results: dict[str, Any]) -> str:
              "Errors are |predicted − measured| / measured. Default roofline (`conf/cost_model/roofline.yaml`): "
              f"compute_eff {_DEFAULT['compute_eff']:g}, bw_eff {_DEFAULT['bw_eff']:g}, "
              f"{1e3 * _DEFAULT['overhead_s']:g} ms overhead "
-             "(0 for Vidur's per-operator rows, compared with the `linear` op group of one layer). "
+             "(0 for Vidur's per-operator rows, compared with the `linear` op group of one layer), "
+             "and each hardware preset's per-kernel launch cost (`hardware.kernel_launch_s`: 4 us on a100/h100, "
+             "not fitted; not in Vidur's per-operator rows). "
              "'derived' rows come from DistServe's published fitted coefficients, not raw measurements.", "",
              "| source | setups | rows | default median | fitted median |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {r['summary']['setups']} | {r['summary']['rows']} | "

@@ -285,12 +285,13 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
     """Default roofline error, fitted roofline (+ held-out error) and, for whole steps, a fitted linear model;
     ``points`` holds per-row measured and predicted seconds for plots.
 
-    The default roofline is ``conf/cost_model/roofline.yaml``'s (0.7, 0.75, 1 ms); for single-operator data its
-    per-step overhead does not apply and is 0.
+    The default roofline is ``conf/cost_model/roofline.yaml``'s (0.7, 0.75, 1 ms, the preset's
+    ``hardware.kernel_launch_s`` per kernel); for single-operator data its per-step overhead does not apply and is
+    0 (and the kernel launches are not in the timed op groups). The peak bound has no overhead and no launches.
     """
     F, y = ds.measurements, ds.seconds
     default = RooflineCostModel(ds.model, ds.hardware, tp=ds.tp)
-    peak = _priced(default.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0), ds)
+    peak = _priced(default.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, kernel_s=0.0), ds)
     if ds.ops is not None:
         default = default.replace(overhead_s=0.0)
     fitted, fit_rep = fit_roofline(F, y, ds.model, ds.hardware, {"tp": ds.tp}, labels=ds.labels, ops=ds.ops)

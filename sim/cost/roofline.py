@@ -17,6 +17,10 @@ All quantities are per device. Parallel deployments (``parallel``: tp, pp, dp, e
 
 Collectives are priced by ``sim.cost.comm.Comm``: measured NCCL tables where the hardware has them
 (``network_dir`` with ``hardware.network_profile``), else the peer link.
+
+Kernel launches (``kernel_s``, default ``hardware.kernel_launch_s``, 0 unless the preset sets it): every kernel a
+device runs in a step costs ``kernel_s`` on top of its roofline time, whatever ``tp`` is: an eager-mode engine
+launches the same kernels per layer at every tp, only smaller ones (``kernels_of_stage``).
 """
 
 from __future__ import annotations
@@ -41,8 +45,17 @@ LOGIT_BYTES = 4  # logits are written in float32
 ALLREDUCES_PER_LAYER = 2  # after attention and after the MLP (Megatron-style tensor parallelism)
 TARGET = "sim.cost.roofline.RooflineCostModel"
 PARAMS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp", "pp", "dp", "ep",
-          "moe_imbalance", "network_dir")  # besides the specs
+          "moe_imbalance", "network_dir", "kernel_s")  # besides the specs
 COMM = ("allreduce", "all_to_all", "send_recv")  # breakdown's communication terms
+# Kernels of one decoder layer of an eager-mode engine (vLLM without CUDA graphs): input RMSNorm, QKV GEMM, rotary
+# embedding, KV-cache write, attention, o_proj GEMM, residual add, post-attention RMSNorm, then the MLP. The
+# all-reduces are not counted: the collectives are priced from measured NCCL times, which include their launch.
+ATTENTION_KERNELS = 7  # norm, qkv, rope, cache write, attention, o_proj, residual add
+DENSE_MLP_KERNELS = 5  # norm, gate_up GEMM, SiLU-and-mul, down GEMM, residual add
+MOE_MLP_KERNELS = 7  # norm, router GEMM, top-k softmax, experts gate_up, activation, experts down, residual add
+SHARED_EXPERT_KERNELS = 3  # gate_up GEMM, activation, down GEMM of the shared experts (added to an MoE layer's)
+FIRST_STAGE_KERNELS = 1  # embedding lookup
+LAST_STAGE_KERNELS = 4  # final RMSNorm, LM head GEMM, sampler softmax, sampling
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,9 @@ class RooflineCostModel:
     quantised weights are dequantised to compute at 16-bit peak (weight-only quantisation saves bytes, not FLOPs).
     A step with no tokens costs ``overhead_s``.
 
+    Every kernel costs ``kernel_s`` besides (``kernel_s`` None: ``hardware.kernel_launch_s``; breakdown key
+    ``kernels``): the launch floor of an eager-mode engine, the same at every tp (``kernels_of_stage``).
+
     Bytes are what the engine stores, from ``core.arithmetic``: with ``weight_bits`` 4 (the engine's W4A16) or 8
     (a what-if format: the engine has no W8 path) each group of ``group_size`` linear weights carries a 16-bit
     scale and a 16-bit zero point, counted the same way for both widths; ``kv_bits`` 8 (the engine's int8 KV) reads
@@ -74,12 +90,14 @@ class RooflineCostModel:
     def __init__(self, model: ModelSpec | Mapping[str, Any], hardware: HardwareSpec | Mapping[str, Any],
                  compute_eff: float = 0.7, bw_eff: float = 0.75, overhead_s: float = 1e-3, weight_bits: int = 16,
                  kv_bits: int = 16, group_size: int = 128, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
-                 moe_imbalance: float | None = None, network_dir: str | None = None) -> None:
+                 moe_imbalance: float | None = None, network_dir: str | None = None,
+                 kernel_s: float | None = None) -> None:
         m, hw = as_model_spec(model), as_hardware_spec(hardware)
         self.model, self.hardware = m, hw
         self.compute_eff = check_fraction(compute_eff, "cost_model.compute_eff")
         self.bw_eff = check_fraction(bw_eff, "cost_model.bw_eff")
         self.overhead_s = check_float(overhead_s, "cost_model.overhead_s", 0.0)
+        self.kernel_s = check_float(hw.kernel_launch_s if kernel_s is None else kernel_s, "cost_model.kernel_s", 0.0)
         ar.check_quant(weight_bits, kv_bits, group_size)
         self.weight_bits, self.kv_bits, self.group_size = weight_bits, kv_bits, group_size
         ar.kv_heads_per_device(m, tp)  # validates tp
@@ -103,6 +121,10 @@ class RooflineCostModel:
         (self._linear_flops, self._linear_bytes, self._moe_flops, self._moe_bytes, self._pair_flops, self._kv_bytes,
          self._elem_bytes, self._head_flops, self._head_bytes, self._logit_bytes, _) = self._stages[0]
         self._act_row = m.hidden_size * self._act_bytes  # bytes of one token's activations
+        stages = ar.stage_layers(m, pp)
+        self.kernels = [kernels_of_stage(m, layers, i == 0, i == pp - 1) for i, layers in enumerate(stages)]
+        self._stage_kernel_s = [self.kernel_s * n for n in self.kernels]  # seconds of each stage's launches
+        self._kernel_s = self._stage_kernel_s[0]  # pp=1 (the hot path)
 
     def _stage(self, layers: range, last: bool) -> tuple:
         """Per-device coefficients of one stage: dense linear FLOPs per token and bytes, routed-expert FLOPs per
@@ -211,29 +233,32 @@ class RooflineCostModel:
         (pp > 1: the stages' op groups and collectives summed)."""
         times: dict[str, float] = {}
         if f.num_batched_tokens:
-            for stage in self._stages:
+            for stage, kernel_s in zip(self._stages, self._stage_kernel_s, strict=True):
                 parts = {n: max(fl / self._flop_rate, by / self._byte_rate)
                          for n, (fl, by) in zip(self.GROUPS, self._groups(f, stage), strict=True)}
                 parts.update(self.comm_times(f, stage))
+                parts["kernels"] = kernel_s
                 for k, v in parts.items():
                     times[k] = times.get(k, 0.0) + v
             if self.moe is None:
                 times.pop("moe")
         else:
             times.update(dict.fromkeys(COMM, 0.0))
+            times["kernels"] = 0.0
         times["overhead"] = self.overhead_s
         return times
 
     def stage_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[float]:
-        """Seconds each pipeline stage takes for the step, its send to the next stage included (no overhead)."""
+        """Seconds each pipeline stage takes for the step, its send to the next stage and its kernel launches
+        included (no overhead)."""
         if f.num_batched_tokens == 0:
             return [0.0] * self.pp
         fr, br = self._flop_rate, self._byte_rate
         out = []
-        for stage in self._stages:
+        for stage, kernel_s in zip(self._stages, self._stage_kernel_s, strict=True):
             c = self.comm_times(f, stage, moe_tokens)
             out.append(sum(max(fl / fr, by / br) for fl, by in self._groups(f, stage, moe_tokens))
-                       + c["allreduce"] + c["all_to_all"] + c["send_recv"])
+                       + c["allreduce"] + c["all_to_all"] + c["send_recv"] + kernel_s)
         return out
 
     def group_step_time(self, features: Sequence[StepFeatures]) -> float:
@@ -248,7 +273,7 @@ class RooflineCostModel:
             return sum(self.stage_times(f)) + self.overhead_s
         fr, br = self._flop_rate, self._byte_rate
         compute = sum(max(fl / fr, by / br) for fl, by in self._groups(f))
-        return compute + self._comm_s(f) + self.overhead_s
+        return compute + self._comm_s(f) + self._kernel_s + self.overhead_s
 
     def decode_step_times(self, first: StepFeatures, num_steps: int) -> list[float]:
         """``step_time`` of a run of decode steps (``sim.cost.base.DecodeCostModel``), bit-identical to the scalar:
@@ -267,7 +292,18 @@ class RooflineCostModel:
         t = t + max(g[4][0] / fr, g[4][1] / br)
         t = t + max(g[5][0] / fr, g[5][1] / br)
         t = t + self._comm_s(first)
+        t = t + self._kernel_s
         t = t + self.overhead_s
         return t.tolist()
 
 
+def kernels_of_stage(m: ModelSpec, layers: range, first: bool, last: bool) -> int:
+    """Kernels one device launches for a step of the stage running ``layers`` (``first``: it embeds the tokens,
+    ``last``: it runs the LM head and the sampler); the same at every tp (the module constants count them)."""
+    n = 0
+    for i in layers:
+        if m.moe is not None and ar.is_moe_layer(m, i):
+            n += ATTENTION_KERNELS + MOE_MLP_KERNELS + (SHARED_EXPERT_KERNELS if m.moe.num_shared_experts else 0)
+        else:
+            n += ATTENTION_KERNELS + DENSE_MLP_KERNELS
+    return n + (FIRST_STAGE_KERNELS if first else 0) + (LAST_STAGE_KERNELS if last else 0)

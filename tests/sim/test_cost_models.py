@@ -106,11 +106,69 @@ def test_tp2_halves_per_device_bytes_and_adds_allreduce():
 
 @pytest.mark.parametrize(("key", "value"), [
     ("compute_eff", 0.0), ("compute_eff", 1.5), ("bw_eff", -1), ("overhead_s", -1e-3), ("weight_bits", 3),
-    ("kv_bits", 4), ("group_size", 0), ("tp", 0), ("tp", 3), ("compute_eff", "fast"),
+    ("kv_bits", 4), ("group_size", 0), ("tp", 0), ("tp", 3), ("compute_eff", "fast"), ("kernel_s", -1e-6),
 ])
 def test_roofline_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=key):
         RooflineCostModel(LLAMA3_8B, H100, **{key: value})
+
+
+TINY = ModelSpec("tiny", 2, 256, 8, 4, 32, 512, 1000)  # 2 layers: the kernel count is 2 x 12 + 1 + 4 = 29
+
+
+def test_kernel_launches_cost_the_same_at_every_tp_by_hand():
+    """12 kernels per layer (norm, qkv, rope, cache write, attention, o_proj, add; norm, gate_up, SiLU-and-mul,
+    down, add), an embedding, and final norm + LM head + 2 sampler kernels: 29 x kernel_s at tp 1 and at tp 4;
+    everything else shrinks with tp."""
+    k = 4e-6
+    one, four = (RooflineCostModel(TINY, H100, overhead_s=0.0, kernel_s=k, tp=tp) for tp in (1, 4))
+    for f in (decode_features(3, 100), prefill_features(64)):
+        b1, b4 = one.breakdown(f), four.breakdown(f)
+        assert one.kernels == four.kernels == [29]
+        assert b1["kernels"] == b4["kernels"] == pytest.approx(29 * k)
+        for group in ("linear", "attention_decode", "lm_head"):
+            assert b4[group] <= b1[group] / 4 * (1 + 1e-12)
+        assert b4["allreduce"] > 0 == b1["allreduce"]
+        for m, b in ((one, b1), (four, b4)):
+            assert sum(b.values()) == pytest.approx(m.step_time(f), rel=1e-12)
+            assert m.step_time(f) - m.replace(kernel_s=0.0).step_time(f) == pytest.approx(29 * k)
+    # decode runs stay bit-identical to the scalar step time
+    f = decode_features(3, 100)
+    from core.fast_forward import decode_features as next_decode
+    assert four.decode_step_times(f, 5) == [four.step_time(next_decode(f, i)) for i in range(5)]
+    # pp=2: one layer per stage, the embedding on the first, the head and sampler on the last
+    two = RooflineCostModel(TINY, H100, overhead_s=0.0, kernel_s=k, pp=2)
+    assert two.kernels == [13, 16]
+    assert two.breakdown(f)["kernels"] == pytest.approx(29 * k)
+    assert sum(two.stage_times(f)) == pytest.approx(two.step_time(f), rel=1e-12)
+    assert RooflineCostModel(TINY, H100).breakdown(prefill_features(0))["kernels"] == 0.0
+
+
+def test_kernel_s_defaults_to_the_hardware_preset():
+    import dataclasses
+
+    assert RooflineCostModel(TINY, H100).kernel_s == 0.0  # no preset value: nothing changes
+    hw = dataclasses.replace(H100, kernel_launch_s=5e-6)
+    assert RooflineCostModel(TINY, hw).kernel_s == 5e-6
+    assert RooflineCostModel(TINY, hw, kernel_s=0.0).kernel_s == 0.0
+    assert RooflineCostModel(TINY, hw).replace(bw_eff=0.5).kernel_s == 5e-6
+    with pytest.raises(ValueError, match="kernel_launch_s"):
+        dataclasses.replace(H100, kernel_launch_s=-1.0)
+
+
+def test_fit_keeps_the_kernel_term_fixed():
+    """fit_roofline prices the launches as a fixed term: it recovers efficiencies and overhead of a roofline
+    with launches."""
+    from sim.fit import fit_roofline
+
+    truth = RooflineCostModel(LLAMA3_8B, H100, compute_eff=0.6, bw_eff=0.5, overhead_s=2e-4, kernel_s=4e-6)
+    feats = [decode_features(b, c) for b in (1, 8, 64) for c in (128, 2048)] + \
+        [prefill_features(n) for n in (128, 1024, 4096)]
+    fitted, _ = fit_roofline(feats, [truth.step_time(f) for f in feats], LLAMA3_8B, H100, {"kernel_s": 4e-6},
+                             loss="linear")
+    assert fitted.kernel_s == 4e-6
+    for key in ("compute_eff", "bw_eff", "overhead_s"):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3, abs=1e-7)
 
 
 def test_tp_needs_an_interconnect():
