@@ -31,8 +31,22 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 raise ValueError(f"override {item!r}: no option {value!r} in group {key}; allowed: {allowed}")
             out[key] = OmegaConf.load(option)
         else:
-            OmegaConf.update(out, key, yaml.safe_load(value) if value else None, merge=False, force_add=True)
+            OmegaConf.update(out, key, parse_value(value), merge=False, force_add=True)
     return out
+
+
+def parse_value(text: str) -> object:
+    """An override's value as YAML, numbers as Hydra reads them: PyYAML takes ``16e9`` or ``1.0e9`` (no exponent
+    sign) for strings, Hydra's grammar for floats."""
+    if not text:
+        return None
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
+        except ValueError:
+            return value
+    return value
 
 
 def with_backend(cfg: DictConfig, name: str) -> DictConfig:

@@ -25,8 +25,9 @@ caching on (vLLM v1's defaults; ``kv_cache`` when recorded), the KV pool as reco
 derived as vLLM sizes it (``derived_kv_blocks``), the scheduler and cost model of ``compare.groundtruth``
 (``vllm_v1`` and ``profiled`` by default; with vllm_v1 also ``kv.prefix_cache_mode=vllm``, the recorded
 ``long_prefill_token_threshold`` / ``enable_chunked_prefill`` and ``async_scheduling`` (``scheduler_config``; vLLM's
-default by version otherwise)), percentiles interpolated
-linearly (numpy's, the bench's).
+default by version otherwise)), with ``profiled`` the CUDA-graph ceiling (``enforce_eager``: none; the recorded
+``max_cudagraph_capture_size``; else vLLM's default from the scheduler limits), percentiles interpolated linearly
+(numpy's, the bench's).
 """
 
 from __future__ import annotations
@@ -175,26 +176,33 @@ def _norm(name: str) -> str:
 
 
 def option_named(group: str, name: str) -> str:
-    """The ``conf/<group>`` option whose ``name`` matches ``name`` without case or punctuation."""
+    """The ``conf/<group>`` option whose ``name`` matches ``name`` without case or punctuation, else the one that
+    matches it without its trailing ``-`` parts (a release's tags: ``Qwen3-30B-A3B-Instruct-2507`` is
+    ``Qwen3-30B-A3B``'s shapes), the longest such prefix first."""
     options = sorted((CONF_DIR / group).glob("*.yaml"))
-    for p in options:
-        if _norm(str(OmegaConf.load(p).get("name", p.stem))) == _norm(name):
-            return p.stem
+    names = {_norm(str(OmegaConf.load(p).get("name", p.stem))): p.stem for p in options}
+    parts = name.split("-")
+    for n in range(len(parts), 0, -1):
+        if _norm("-".join(parts[:n])) in names:
+            return names[_norm("-".join(parts[:n]))]
     raise ValueError(f"no conf/{group} option named like {name!r} (the ground truth's); have "
                      f"{[p.stem for p in options]}: add one (its name matched without case or punctuation)")
 
 
 def derived_kv_blocks(model: ModelSpec, tp: int, device_bytes: float, utilization: float = 0.9,
-                      reserved_bytes: float = VLLM_RESERVED_BYTES, block_size: int = VLLM_BLOCK_SIZE) -> int:
+                      reserved_bytes: float = VLLM_RESERVED_BYTES, block_size: int = VLLM_BLOCK_SIZE,
+                      moe_ranks: int = 1) -> int:
     """KV blocks per device as vLLM sizes its pool: ``utilization`` of the device's memory, minus this device's
-    weights and what vLLM keeps outside weights and KV (``reserved_bytes``), in blocks of this device's KV heads."""
-    budget = utilization * device_bytes - ar.weight_bytes(model) / tp - reserved_bytes
+    weights (routed experts over ``moe_ranks`` devices with expert parallelism) and what vLLM keeps outside weights
+    and KV (``reserved_bytes``), in blocks of this device's KV heads."""
+    weights = ar.weight_bytes_per_device(model, tp=tp, moe_ranks=moe_ranks)
+    budget = utilization * device_bytes - weights - reserved_bytes
     per_block = ar.kv_bytes_per_token_per_device(model, 16, tp) * block_size
     return max(0, int(budget // per_block))
 
 
 def kv_pool(gt: GroundTruth, model: ModelSpec, tp: int, hardware_bytes: float,
-            reserved_bytes: float = VLLM_RESERVED_BYTES) -> tuple[int, int, str]:
+            reserved_bytes: float = VLLM_RESERVED_BYTES, moe_ranks: int = 1) -> tuple[int, int, str]:
     """(blocks, block size, how they were obtained): recorded in vllm_meta.json ``kv_cache``, or derived from the
     recorded device memory (``hardware.device_total_memory_bytes``), else the hardware preset's ``mem_bytes``."""
     kv = gt.meta.get("kv_cache") or {}
@@ -204,9 +212,10 @@ def kv_pool(gt: GroundTruth, model: ModelSpec, tp: int, hardware_bytes: float,
     util = float(kv.get("gpu_memory_utilization") or gt.engine.get("gpu_memory_utilization") or 0.9)
     device = (gt.meta.get("hardware") or {}).get("device_total_memory_bytes")
     where = "recorded device memory" if device else "hardware.mem_bytes"
-    blocks = derived_kv_blocks(model, tp, float(device or hardware_bytes), util, reserved_bytes, block)
+    blocks = derived_kv_blocks(model, tp, float(device or hardware_bytes), util, reserved_bytes, block, moe_ranks)
+    weights = ar.weight_bytes_per_device(model, tp=tp, moe_ranks=moe_ranks)
     how = (f"derived: {util:g} x {float(device or hardware_bytes) / 1e9:.2f} GB ({where}) - weights "
-           f"{ar.weight_bytes(model) / tp / 1e9:.2f} GB - vLLM's reserve {reserved_bytes / 1e9:.2f} GB")
+           f"{weights / 1e9:.2f} GB - vLLM's reserve {reserved_bytes / 1e9:.2f} GB")
     return blocks, block, how
 
 
@@ -242,6 +251,17 @@ def vllm_v1_settings(gt: GroundTruth) -> list[str]:
     return out
 
 
+def cuda_graph_settings(gt: GroundTruth) -> list[str]:
+    """``cost_model=profiled``'s CUDA-graph ceiling as the run set it: 0 with ``enforce_eager``, the resolved
+    ``compilation_config.max_cudagraph_capture_size`` when recorded, else none (the option derives vLLM's default
+    from the scheduler limits)."""
+    if gt.engine.get("enforce_eager"):
+        return ["cost_model.cuda_graph_max_tokens=0"]
+    compiled = (gt.meta.get("resolved_config") or {}).get("compilation_config") or {}
+    size = compiled.get("max_cudagraph_capture_size") if isinstance(compiled, Mapping) else None
+    return [] if size is None else [f"cost_model.cuda_graph_max_tokens={int(size)}"]
+
+
 def _version(text: str) -> tuple[int, ...]:
     """'0.19.0' -> (0, 19, 0); digits only, whatever follows them ('0.11.1rc2' -> (0, 11, 1))."""
     parts = []
@@ -253,12 +273,25 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def data_parallel(gt: GroundTruth, model: ModelSpec, tp: int) -> tuple[int, int]:
+    """(dp, ep) of the run: ``data_parallel_size`` attention ranks, and with ``enable_expert_parallel`` vLLM's expert
+    parallel degree tp x dp (the experts split over every device). DP ranks without experts to meet at are
+    independent engines (separate replicas), not modelled here."""
+    e = gt.engine
+    dp = int(e.get("data_parallel_size") or 1)
+    expert_parallel = bool(e.get("enable_expert_parallel"))
+    if expert_parallel and model.moe is None:
+        raise ValueError(f"{gt.directory}: enable_expert_parallel on {model.name}, which has no experts")
+    if dp > 1 and not expert_parallel:
+        raise ValueError(f"{gt.directory}: data_parallel_size={dp} without expert parallelism (independent "
+                         "engines) is not modelled; simulate one replica per engine")
+    return dp, (tp * dp if expert_parallel else 1)
+
+
 def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any]]:
     """Overrides that make ``cfg`` simulate the run (see the module docstring), and what they were derived from."""
     g = cfg.compare.get("groundtruth") or {}
     e = gt.engine
-    if int(e.get("data_parallel_size") or 1) != 1 or e.get("enable_expert_parallel"):
-        raise ValueError(f"{gt.directory}: data / expert parallelism is not modelled (engine_kwargs {e})")
     model_id = str(e.get("model") or gt.meta.get("model"))
     hardware = str(gt.instance.get("hardware") or "")
     if not hardware:
@@ -266,25 +299,32 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     tp = int(e.get("tensor_parallel_size") or gt.instance.get("tp_size") or 1)
     model_opt, hw_opt = option_named("model", model_id.split("/")[-1]), option_named("hardware", hardware)
     model = ModelSpec.from_config(conf_option("model", model_opt))
+    dp, ep = data_parallel(gt, model, tp)
     hw_bytes = float(conf_option("hardware", hw_opt)["mem_bytes"])
-    blocks, block, how = kv_pool(gt, model, tp, hw_bytes, float(g.get("kv_reserved_bytes", VLLM_RESERVED_BYTES)))
+    blocks, block, how = kv_pool(gt, model, tp, hw_bytes, float(g.get("kv_reserved_bytes", VLLM_RESERVED_BYTES)),
+                                 moe_ranks=tp * dp if ep > 1 else 1)
     kv = gt.meta.get("kv_cache") or {}
     prefix = kv.get("enable_prefix_caching", e.get("enable_prefix_caching", True))
     scheduler = str(g.get("scheduler", "vllm_v1"))
     out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={scheduler}",
-           f"cost_model={g.get('cost_model', 'profiled')}", f"parallel.tp={tp}",
+           f"cost_model={g.get('cost_model', 'profiled')}", f"parallel.tp={tp}", f"parallel.dp={dp}",
+           f"parallel.ep={ep}",
            f"scheduler.max_num_seqs={int(e['max_num_seqs'])}",
            f"scheduler.max_num_batched_tokens={int(e['max_num_batched_tokens'])}",
            f"kv.num_blocks={blocks}", f"kv.block_size={block}", f"kv.prefix_caching={str(bool(prefix)).lower()}",
            "kv.memory_bytes=null", "frontend_delay_s=0.0", "request_timeout_s=null",
            "metrics.percentile_method=linear", "backend=sim"]
+    if dp > 1:  # vLLM's front end sends each request to the DP engine with the fewest running and waiting
+        out.append("router=least_outstanding")
     if e.get("max_model_len"):
         out.append(f"model.max_model_len={int(e['max_model_len'])}")
     if scheduler == "vllm_v1":
         out += vllm_v1_settings(gt)
+    if g.get("cost_model", "profiled") == "profiled":
+        out += cuda_graph_settings(gt)
     out += [str(o) for o in g.get("overrides") or ()]
-    return out, {"model": model_opt, "hardware": hw_opt, "tp": tp, "kv_blocks": blocks, "kv_blocks_how": how,
-                 "kv_tokens": blocks * block, "workload": str(gt.workload), "overrides": out}
+    return out, {"model": model_opt, "hardware": hw_opt, "tp": tp, "dp": dp, "ep": ep, "kv_blocks": blocks,
+                 "kv_blocks_how": how, "kv_tokens": blocks * block, "workload": str(gt.workload), "overrides": out}
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------

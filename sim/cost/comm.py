@@ -115,30 +115,34 @@ class Comm:
         self._link(2)
         return self.latency_s + nbytes / self.bandwidth
 
-    def all_to_all_s(self, nbytes: float, workers: int) -> float:
-        """One all-to-all where each of ``workers`` devices holds ``nbytes`` and keeps 1/workers of them."""
+    def all_gather_s(self, nbytes: float, workers: int) -> float:
+        """One ring all-gather in which each of ``workers`` devices contributes ``nbytes`` (and so receives
+        (workers - 1) x nbytes); a reduce-scatter of the gathered result moves the same bytes the same way, so it is
+        priced alike."""
         if workers <= 1 or nbytes <= 0:
             return 0.0
         self._link(workers)
-        return (workers - 1) * self.latency_s + (workers - 1) / workers * nbytes / self.bandwidth
+        return (workers - 1) * (self.latency_s + nbytes / self.bandwidth)
 
 
 def stage_collectives(comm: Comm, *, tokens: int, row_bytes: float, layers: int, moe_layers: int, tp: int,
-                      dp: int = 1, ep: int = 1, top_k: int = 0, moe_tokens: int | None = None,
-                      last: bool = True) -> dict[str, float]:
+                      dp: int = 1, ep: int = 1, moe_tokens: int | None = None, last: bool = True) -> dict[str, float]:
     """Seconds of the collectives one pipeline stage of ``layers`` decoder layers (``moe_layers`` of them MoE) runs
     for a step of ``tokens`` tokens of ``row_bytes`` activations each, on one rank of a tp x dp (x ep) replica; every
     cost model prices its collectives here (docs/parallelism.md, "Collectives").
 
-    ``allreduce``: tensor parallelism's two per layer (after attention, after the MLP), except that an MoE layer's
-    MLP collective with ep > 1 is the all-to-all and with dp > 1 and ep = 1 an all-reduce of the ``moe_tokens``
-    (all dp ranks' tokens, default the step's own) over tp x dp; ``all_to_all``: with ep > 1, dispatch and combine of
-    the rank's tokens x ``top_k`` activations per MoE layer; ``send_recv``: the activations to the next stage (none
-    from the ``last``)."""
-    moe_all = moe_layers if ep > 1 or dp > 1 else 0  # MoE layers whose MLP collective is not the tp all-reduce
-    allreduce = (2 * layers - moe_all) * comm.all_reduce_s(tokens * row_bytes, tp) if tp > 1 else 0.0
-    if moe_all and ep == 1:
-        allreduce += moe_all * comm.all_reduce_s((tokens if moe_tokens is None else moe_tokens) * row_bytes, tp * dp)
-    a2a = 2 * moe_layers * comm.all_to_all_s(tokens * top_k * row_bytes, ep) if ep > 1 and tokens else 0.0
-    return {"allreduce": allreduce, "all_to_all": a2a,
+    ``allreduce``: tensor parallelism's two per layer (after attention, after the MLP), except that an MoE layer of
+    dp > 1 ranks meets the other ranks instead: with ep = 1 an all-reduce of the ``moe_tokens`` (all ranks' tokens,
+    default the step's own) over tp x dp; ``all_to_all``: with ep > 1 and dp > 1, the expert-parallel exchange as
+    vLLM does it by default (``all2all_backend=allgather_reducescatter``): per MoE layer an all-gather of every dp
+    rank's token activations, then a reduce-scatter of the experts' outputs, each rank contributing its batch (the
+    slowest rank, whose batch is the largest, sets the lockstep step, as vLLM pads every rank to it). Expert
+    parallelism within one dp rank (ep = tp) moves nothing extra: the tp ranks already hold every token and combine
+    with the tp all-reduce. ``send_recv``: the activations to the next stage (none from the ``last``)."""
+    moe_dp = moe_layers if dp > 1 else 0  # MoE layers whose MLP collective is across the dp ranks
+    allreduce = (2 * layers - moe_dp) * comm.all_reduce_s(tokens * row_bytes, tp) if tp > 1 else 0.0
+    if moe_dp and ep == 1:
+        allreduce += moe_dp * comm.all_reduce_s((tokens if moe_tokens is None else moe_tokens) * row_bytes, tp * dp)
+    exchange = 2 * moe_dp * comm.all_gather_s(tokens * row_bytes, dp) if moe_dp and ep > 1 and tokens else 0.0
+    return {"allreduce": allreduce, "all_to_all": exchange,
             "send_recv": 0.0 if last or not tokens else comm.send_recv_s(tokens * row_bytes)}

@@ -42,8 +42,8 @@ What a row is (read from the bundles' ``meta.yaml`` and checked against the numb
   ``tokens`` tokens whose routing touches ``activated_experts`` distinct experts.
 
 How a step is priced: ``embedding(T) + final_layernorm(T) + L x [per-layer dense rows(T) + attention] + lm_head(S) +
-sampler(S)`` (+ ``L x moe(T, experts)``, collectives, ``overhead_s``), with T = ``num_batched_tokens``, S =
-``num_seqs``. Pipeline stages (``pp``) each run their layers' rows (``core.arithmetic.stage_layers``), the embedding
+sampler(S)`` (+ ``L x moe(T, experts)``, collectives, launches, ``overhead_s``), with T = ``num_batched_tokens``,
+S = ``num_seqs``. Pipeline stages (``pp``) each run their layers' rows (``core.arithmetic.stage_layers``), the embedding
 on the first, the final norm, LM head and sampler on the last, and send the activations on; attention data-parallel
 ranks (``dp``) with expert parallelism (``ep``) run their own attention and dense rows and meet at the MoE blocks:
 the busiest expert group's expert-token pairs and touched experts (``sim.cost.moe.MoELoad``) looked up in
@@ -55,6 +55,13 @@ Outside a table: below its smallest value (a 5-token chunk, a decode with 10 tok
 holds (a kernel's fixed cost); above its largest (more tokens, sequences or KV than profiled) the table value at the
 edge is scaled by the roofline's growth from the edge to the query (``RooflineCostModel``'s op groups: continuous at
 the edge, measured efficiency kept). Both are counted per table (``coverage``; metrics.json ``cost_model``).
+
+Kernel launches: the tables are kernel time without the gaps between kernels, which is what vLLM pays when it
+replays a CUDA graph. It captures graphs for steps of up to ``cuda_graph_max_tokens`` tokens (its default
+min(2 x max_num_seqs, 512, max_num_batched_tokens); 0 = ``enforce_eager``) and runs larger steps (long prefill
+chunks) eagerly; those pay ``kernel_s`` (``hardware.kernel_launch_s``) for every kernel they launch
+(``sim.cost.roofline.kernels_of_stage``: 12 per dense layer), breakdown key ``kernels``. On the RTX PRO 6000
+Llama-3.1-8B run (max_num_seqs 128: graphs up to 256 tokens) that is 389 kernels x 4 us = 1.6 ms per eager step.
 
 ``python -m sim.cost.profiled <variant dir> [--tp N] [--every K]`` prints each table's error on rows held back from
 its own interpolation (``held_out_errors``).
@@ -84,7 +91,7 @@ from core.specs import HardwareSpec, ModelSpec
 from sim.cost.base import as_hardware_spec, as_model_spec, lockstep_step_time
 from sim.cost.comm import Comm, stage_collectives
 from sim.cost.moe import MoELoad
-from sim.cost.roofline import OpCost, RooflineCostModel
+from sim.cost.roofline import OpCost, RooflineCostModel, kernels_of_stage
 
 US = 1e-6
 PROFILE_SOURCE = "llmservingsim"  # the folder of shared/data/gpu-measurements that holds these bundles
@@ -92,6 +99,16 @@ ONCE_PER_STEP = ("embedding", "final_layernorm")  # dense.csv rows run once per 
 TWICE_PER_LAYER = ("layernorm",)  # input and post-attention RMSNorm of each decoder layer
 VARIANTS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 PC_COORDINATES = ("pairs", "linear")
+# vLLM's CUDA-graph ceiling when none is configured (vllm/config/vllm.py ``_set_cudagraph_sizes``): graphs are captured
+# for batches of up to min(2 x max_num_seqs, 512) tokens, never more than max_num_batched_tokens (1024 instead of
+# 512 on data-center Blackwell, which no preset here is).
+VLLM_GRAPH_CEILING = 512
+
+
+def vllm_cuda_graph_max_tokens(max_num_seqs: int | None, max_num_batched_tokens: int | None) -> int:
+    """The largest step (in tokens) vLLM replays as a CUDA graph by default; larger steps run eagerly."""
+    out = VLLM_GRAPH_CEILING if max_num_seqs is None else min(2 * int(max_num_seqs), VLLM_GRAPH_CEILING)
+    return out if max_num_batched_tokens is None else min(out, int(max_num_batched_tokens))
 
 
 def _norm(name: str) -> str:
@@ -557,20 +574,28 @@ class OperatorProfileCostModel:
     ``hardware.network_profile`` (``sim.cost.comm``; none: the hardware's peer link prices every collective).
     ``num_experts`` / ``experts_per_token``: a MoE model's routing, for a ``moe.csv``; null: the model's ``moe``
     section (``num_experts``, ``top_k``). ``profile``: a variant folder to use instead of the search by hardware
-    and model name.
+    and model name. ``kernel_s`` (null: ``hardware.kernel_launch_s``), ``cuda_graph_max_tokens`` (null: vLLM's
+    default from ``max_num_seqs`` / ``max_num_batched_tokens``): the launches of steps that run without a CUDA
+    graph (module docstring).
     """
 
     def __init__(self, model: ModelSpec | Mapping[str, Any], hardware: HardwareSpec | Mapping[str, Any], tp: int = 1,
                  data_dir: str | None = None, profile: str | None = None, variant: str | None = None,
                  overhead_s: float = 0.0, skew: bool = True, num_experts: int | None = None,
                  experts_per_token: int | None = None, pp: int = 1, dp: int = 1, ep: int = 1,
-                 network_dir: str | None = None) -> None:
+                 network_dir: str | None = None, kernel_s: float | None = None,
+                 cuda_graph_max_tokens: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         m, hw = as_model_spec(model), as_hardware_spec(hardware)
         self.model, self.hardware = m, hw
         self.tp = check_int(tp, "parallel.tp", 1)
         self.overhead_s = check_float(overhead_s, "cost_model.overhead_s", 0.0)
         self.pp, self.dp, self.ep = (check_int(v, f"parallel.{k}", 1) for k, v in (("pp", pp), ("dp", dp), ("ep", ep)))
         self.skew = bool(skew)
+        self.kernel_s = check_float(hw.kernel_launch_s if kernel_s is None else kernel_s, "cost_model.kernel_s", 0.0)
+        self.cuda_graph_max_tokens = (vllm_cuda_graph_max_tokens(max_num_seqs, max_num_batched_tokens)
+                                      if cuda_graph_max_tokens is None
+                                      else check_int(cuda_graph_max_tokens, "cost_model.cuda_graph_max_tokens", 0))
         variant = variant or VARIANTS.get(m.dtype, m.dtype)
         if profile is None and data_dir is None:
             raise ValueError("cost_model.data_dir: the published profiles' folder is required (a run fills in "
@@ -588,7 +613,11 @@ class OperatorProfileCostModel:
         self.comm = Comm.of(hw, network_dir)
         self.network_dir = network_dir
         self._row = m.hidden_size * ar.act_bytes(m)  # bytes of one token's activations
-        self._stages = [(len(r), sum(1 for i in r if ar.is_moe_layer(m, i))) for r in ar.stage_layers(m, self.pp)]
+        stages = ar.stage_layers(m, self.pp)
+        self._stages = [(len(r), sum(1 for i in r if ar.is_moe_layer(m, i))) for r in stages]
+        # launch seconds of each stage's kernels, paid by a step that runs without a CUDA graph (``launch_time``)
+        self._stage_launch_s = [self.kernel_s * kernels_of_stage(m, r, k == 0, k == self.pp - 1)
+                                for k, r in enumerate(stages)]
         self.experts: tuple[int, int] | None = None
         self.moe_from: str | None = None  # where the MoE block's times come from, when not this TP's own moe.csv
         if tables.moe is None and m.moe is not None and self.tp > 1:
@@ -689,6 +718,12 @@ class OperatorProfileCostModel:
             return 0.0
         return 2 * self.model.num_layers * self.comm.all_reduce_s(tokens * self._row, self.tp)
 
+    def launch_time(self, tokens: int, stage: int = 0) -> float:
+        """Kernel launches of a stage's step: free when the step replays a CUDA graph (at most
+        ``cuda_graph_max_tokens`` tokens), ``kernel_s`` per kernel when it runs eagerly. The tables are GPU kernel
+        time without launch gaps, which is what a graph replay costs; an eager step adds its launches."""
+        return 0.0 if tokens <= self.cuda_graph_max_tokens else self._stage_launch_s[stage]
+
     def _rows(self, arr: np.ndarray, tokens: int) -> float:
         """A per-token-count array of dense rows at ``tokens``, scaled as ``dense_time`` beyond the tables."""
         if tokens <= self._max_tokens:
@@ -716,10 +751,9 @@ class OperatorProfileCostModel:
 
     def comm_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[dict[str, float]]:
         """Each stage's collectives (``sim.cost.comm.stage_collectives``)."""
-        top_k = self.experts[1] if self.experts else 0
         return [stage_collectives(self.comm, tokens=f.num_batched_tokens, row_bytes=self._row, layers=layers,
-                                  moe_layers=moe_layers, tp=self.tp, dp=self.dp, ep=self.ep, top_k=top_k,
-                                  moe_tokens=moe_tokens, last=k == self.pp - 1)
+                                  moe_layers=moe_layers, tp=self.tp, dp=self.dp, ep=self.ep, moe_tokens=moe_tokens,
+                                  last=k == self.pp - 1)
                 for k, (layers, moe_layers) in enumerate(self._stages)]
 
     def stage_parts(self, f: StepFeatures, moe_tokens: int | None = None) -> list[dict[str, float]]:
@@ -738,7 +772,8 @@ class OperatorProfileCostModel:
             if last:
                 dense += self._rows(self._last_rows, T)
             out.append({"dense": dense, "moe": moe_layers * moe, "attention": layers * (t_mean + skew),
-                        "head": self.head_time(f.num_seqs) if last else 0.0, **comm})
+                        "head": self.head_time(f.num_seqs) if last else 0.0, "kernels": self.launch_time(T, k),
+                        **comm})
         return out
 
     def stage_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[float]:
@@ -783,7 +818,8 @@ class OperatorProfileCostModel:
         self.priced += 1
         t_mean, skew = self.attention_time(f)
         return (self.dense_time(f.num_batched_tokens) + self.model.num_layers * (t_mean + skew)
-                + self.head_time(f.num_seqs) + self.allreduce_time(f.num_batched_tokens) + self.overhead_s)
+                + self.head_time(f.num_seqs) + self.allreduce_time(f.num_batched_tokens)
+                + self.launch_time(f.num_batched_tokens) + self.overhead_s)
 
     def breakdown(self, f: StepFeatures) -> dict[str, float]:
         """Seconds per part, straight from the tables' curves (not the summed arrays ``step_time`` uses); they sum
@@ -809,6 +845,7 @@ class OperatorProfileCostModel:
                     out[k] = out.get(k, 0.0) + v
         else:
             out["allreduce"] = self.allreduce_time(T)
+        out["kernels"] = sum(self.launch_time(T, k) for k in range(self.pp))
         out["overhead"] = self.overhead_s
         return out
 

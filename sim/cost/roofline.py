@@ -11,8 +11,9 @@ All quantities are per device. Parallel deployments (``parallel``: tp, pp, dp, e
   there), split into ``ep`` groups of experts, each sharded over tp x dp / ep devices. The busiest group sets the
   time: its expert-token pairs are the expected maximum of a multinomial draw of the T·k pairs over the ep groups
   (``moe_imbalance``: a measured max / mean factor instead), its bytes the experts the step's tokens touch
-  (E/ep · (1 − (1 − k/E)^T) of them). With ep > 1 the MLP all-reduce of an MoE layer becomes an all-to-all dispatch
-  and combine of each rank's T·k token activations; ``group_step_time`` is the step of dp ranks in lockstep (the
+  (E/ep · (1 − (1 − k/E)^T) of them). With dp > 1 and ep > 1 the MLP all-reduce of an MoE layer becomes vLLM's
+  default expert-parallel exchange (an all-gather of every rank's activations, then a reduce-scatter of the
+  experts' outputs; ``sim.cost.comm.stage_collectives``); ``group_step_time`` is the step of dp ranks in lockstep (the
   slowest rank's attention and dense layers, plus the shared MoE layers).
 
 Collectives are priced by ``sim.cost.comm.Comm``: measured NCCL tables where the hardware has them
@@ -212,13 +213,13 @@ class RooflineCostModel:
                    moe_tokens: int | None = None) -> dict[str, float]:
         """Seconds of one stage's collectives (default: the one of pp=1): ``allreduce`` (tensor parallelism: after
         attention and after the MLP of every layer, and over the tp x dp ranks sharing the experts of an MoE layer
-        when ep = 1 and dp > 1), ``all_to_all`` (ep > 1: dispatch and combine of each rank's T·k token activations
-        per MoE layer), ``send_recv`` (to the next stage; none from the last)."""
+        when ep = 1 and dp > 1), ``all_to_all`` (ep > 1 with dp > 1: the expert-parallel exchange, an all-gather and
+        a reduce-scatter of the ranks' activations per MoE layer), ``send_recv`` (to the next stage; none from the
+        last); ``sim.cost.comm.stage_collectives``."""
         stage = self._stages[0] if stage is None else stage
         layers, moe_layers = stage[-1]
         return stage_collectives(self.comm, tokens=f.num_batched_tokens, row_bytes=self._act_row, layers=layers,
-                                 moe_layers=moe_layers, tp=self.tp, dp=self.dp, ep=self.ep,
-                                 top_k=self.model.moe.top_k if self.model.moe else 0, moe_tokens=moe_tokens,
+                                 moe_layers=moe_layers, tp=self.tp, dp=self.dp, ep=self.ep, moe_tokens=moe_tokens,
                                  last=stage is self._stages[-1])
 
     def _comm_s(self, f: StepFeatures) -> float:

@@ -50,7 +50,7 @@ def test_link_model_where_no_table():
     comm = Comm.of(hw, NETWORK)  # no network_profile: the link everywhere
     assert comm.all_reduce_s(1e6, 4) == pytest.approx(6 * 5e-6 + 6 / 4 * 1e6 / 100e9)
     assert comm.send_recv_s(1e6) == pytest.approx(5e-6 + 1e6 / 100e9)
-    assert comm.all_to_all_s(1e6, 4) == pytest.approx(3 * 5e-6 + 3 / 4 * 1e6 / 100e9)
+    assert comm.all_gather_s(1e6, 4) == pytest.approx(3 * (5e-6 + 1e6 / 100e9))  # each rank receives 3 x 1 MB
     assert Comm.of(H100, NETWORK).all_reduce_s(1e6, 16) == pytest.approx(30 * 5e-6 + 30 / 16 * 1e6 / 450e9)
 
 
@@ -74,15 +74,23 @@ def test_expected_busiest_group_by_hand_and_by_draws():
 
 
 def test_expert_parallel_cost_model():
+    """ep = tp within one dp rank: the tp ranks hold every token, so the experts' outputs combine in the tp
+    all-reduce as without ep; with dp ranks each MoE layer all-gathers the ranks' activations and reduce-scatters
+    the outputs (vLLM's default allgather_reducescatter exchange), by hand on the measured DGX-H100 link."""
     tp2 = RooflineCostModel(QWEN3_MOE, H100, tp=2, network_dir=str(NETWORK))
     ep2 = RooflineCostModel(QWEN3_MOE, H100, tp=2, ep=2, network_dir=str(NETWORK))
     f = decode_features(64, 1000)
     b_tp, b_ep = tp2.breakdown(f), ep2.breakdown(f)
-    assert b_tp["all_to_all"] == 0.0 < b_ep["all_to_all"]
-    assert b_ep["allreduce"] < b_tp["allreduce"]  # the MoE layers' all-reduce became all-to-all
+    assert b_tp["all_to_all"] == b_ep["all_to_all"] == 0.0 and b_ep["allreduce"] == b_tp["allreduce"]
     assert sum(b_ep.values()) == pytest.approx(ep2.step_time(f))
     # the busiest group's expected pairs: the expert FLOPs of ep=2 exceed half of the one group's
     assert ep2.ops(f)["moe"].flops > 0.5 * 2 * tp2.ops(f)["moe"].flops / 2
+    dp_ep = RooflineCostModel(QWEN3_MOE, H100, dp=2, ep=2, network_dir=str(NETWORK))
+    row = QWEN3_MOE.hidden_size * 2
+    exchange = dp_ep.comm_times(f)["all_to_all"]
+    layers = QWEN3_MOE.num_layers
+    assert exchange == pytest.approx(2 * layers * (H100.interconnect_latency_s + 64 * row / H100.interconnect_bw))
+    assert dp_ep.comm_times(f)["allreduce"] == 0.0  # tp 1: no tp all-reduce; the MoE layers exchange instead
     with pytest.raises(ValueError, match="parallel.ep"):
         RooflineCostModel(LLAMA2_70B, H100, tp=2, ep=2)
 

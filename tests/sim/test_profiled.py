@@ -195,7 +195,13 @@ def test_a_mixed_step_interpolates_dense_rows_by_tokens():
 
     dense = at516("embedding") + at516("final_layernorm") + 32 * sum(k * at516(n) for n, k in PER_LAYER.items())
     want = dense + 32 * attn_row(d, 512, 1024, 4, 1024) + seq_row(d, "lm_head", 5) + seq_row(d, "sampler", 5)
-    assert cm.step_time(f) == pytest.approx(want, rel=1e-9)
+    # 516 tokens: above vLLM's CUDA-graph ceiling (512 without scheduler limits), so the step runs eagerly and
+    # launches its 32 x 12 + 1 + 4 kernels at hardware.kernel_launch_s (4 us) each
+    launches = (32 * 12 + 5) * 4e-6
+    assert cm.breakdown(f)["kernels"] == pytest.approx(launches, rel=1e-12)
+    assert cm.step_time(f) == pytest.approx(want + launches, rel=1e-9)
+    graphed = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), cuda_graph_max_tokens=1024)
+    assert graphed.step_time(f) == pytest.approx(want, rel=1e-9)
 
 
 @needs_data
@@ -231,9 +237,9 @@ def test_tp2_prices_per_rank_rows_plus_link_allreduces():
     assert b2["gate_up_proj"] < 0.6 * b1["gate_up_proj"]  # half-width shards
     assert b2["layernorm"] == b1["layernorm"]  # TP-stable rows are tp1's copies
     hidden_bytes = 16 * 4096 * 2
-    # ring over 2 ranks: 2 (2 - 1) hops x 4.3 us + 2 (2 - 1) / 2 x bytes / 63 GB/s, twice per layer, 32 layers
-    assert hw().interconnect_bw == 63e9 and hw().interconnect_latency_s == 4.3e-6
-    want = 2 * 32 * (2 * 4.3e-6 + hidden_bytes / 63e9)
+    # ring over 2 ranks: 2 (2 - 1) hops x 20 us + 2 (2 - 1) / 2 x bytes / 16 GB/s, twice per layer, 32 layers
+    assert hw().interconnect_bw == 16e9 and hw().interconnect_latency_s == 20e-6
+    want = 2 * 32 * (2 * 20e-6 + hidden_bytes / 16e9)
     assert b2["allreduce"] == pytest.approx(want, rel=1e-12) and b1["allreduce"] == 0.0
     assert cm2.step_time(f) == pytest.approx(sum(b2.values()), rel=1e-9)
 
@@ -269,7 +275,7 @@ def test_pipeline_stages_split_the_rows_by_hand():
     two = OperatorProfileCostModel(llama(), hw(), data_dir=str(ROOT), pp=2)
     f = decode_features(4, 1025)
     layer = sum(k * dense_row(d, name, 4) for name, k in PER_LAYER.items()) + attn_row(d, 0, 0, 4, 1024)
-    send = 4.3e-6 + 4 * 4096 * 2 / 63e9
+    send = 20e-6 + 4 * 4096 * 2 / 16e9
     s0, s1 = two.stage_times(f)
     assert s0 == pytest.approx(dense_row(d, "embedding", 4) + 16 * layer + send, rel=1e-12)
     assert s1 == pytest.approx(16 * layer + dense_row(d, "final_layernorm", 4) + seq_row(d, "lm_head", 4)
@@ -293,7 +299,7 @@ def test_dp_ranks_with_experts_meet_at_the_moe_blocks():
     """dp = 2, ep = 2 on Qwen3-30B-A3B (128 experts, top 8): each rank holds 64 whole experts (tp x dp / ep = 1
     device per expert) and waits for the busier group: its pairs / 8 tokens over the experts of a group the 40
     tokens of both ranks touch, in moe.csv, at full width (ep / dp = 1). Each rank pays its own attention and dense
-    rows; the MoE layers' dispatch and combine are all-to-alls of its tokens x 8 activations over the PCIe link."""
+    rows; each MoE layer all-gathers the ranks' activations and reduce-scatters the outputs over the PCIe link."""
     m = qwen_moe()
     cm = OperatorProfileCostModel(m, hw(), data_dir=str(ROOT), dp=2, ep=2)
     load = MoELoad(128, 8, 2)
@@ -307,7 +313,7 @@ def test_dp_ranks_with_experts_meet_at_the_moe_blocks():
     assert cm.group_step_time([decode_features(0, 0)] * 2) == cm.overhead_s
     row = 2048 * 2
     parts = cm.stage_parts(a, 40)[0]
-    assert parts["all_to_all"] == pytest.approx(2 * 48 * (4.3e-6 + 0.5 * 30 * 8 * row / 63e9), rel=1e-12)
+    assert parts["all_to_all"] == pytest.approx(2 * 48 * (20e-6 + 30 * row / 16e9), rel=1e-12)
     assert parts["allreduce"] == 0.0 and parts["send_recv"] == 0.0
     assert parts["moe"] == pytest.approx(48 * cm.moe_time(40), rel=1e-12)
     one = OperatorProfileCostModel(m, hw(), data_dir=str(ROOT))
@@ -500,3 +506,13 @@ def test_every_published_model_and_tp_prices_a_run(tmp_path):
         tpot[(gpu, model, tp)] = m["tpot_s"]["p50"]
     for model in ("llama3_1_8b", "qwen3_32b", "qwen3_30b_a3b"):  # TP 2 halves each rank's weights: faster decodes
         assert tpot[("rtxpro6000", model, 2)] < tpot[("rtxpro6000", model, 1)], model
+
+
+def test_vllm_cuda_graph_ceiling_follows_its_default_rule():
+    """min(2 x max_num_seqs, 512), never above max_num_batched_tokens; 512 without limits."""
+    from sim.cost.profiled import vllm_cuda_graph_max_tokens
+
+    assert vllm_cuda_graph_max_tokens(128, 2048) == 256
+    assert vllm_cuda_graph_max_tokens(None, None) == 512
+    assert vllm_cuda_graph_max_tokens(300, 200) == 200
+    assert vllm_cuda_graph_max_tokens(16, None) == 32
