@@ -7,7 +7,10 @@ The folder (see ``shared/data/SOURCES.md``): ``vllm_requests.jsonl`` (per reques
 ``arrival_time``: wall clock when the client sent it; ``queued_ts``, ``scheduled_ts``, ``first_token_ts``,
 ``last_token_ts``: the engine core's monotonic clock), ``vllm_meta.json`` (``engine_kwargs``, the dataset's path and
 sha256, and in newer recordings ``kv_cache`` / ``hardware``), ``vllm_timeseries.csv`` (running / waiting requests
-each second), ``config.json`` (LLMServingSim's cluster config: hardware name, TP), ``validation_summary.txt``.
+each second), ``config.json`` (LLMServingSim's cluster config: hardware name, TP), ``validation_summary.txt``. A
+folder of LLMServingSim's own checkout (``bench/examples/<GPU>/<model>``: ``vllm/meta.json``, ``vllm/requests.jsonl``,
+``vllm/timeseries.csv``, ``config.json``, ``validation/summary.txt``; the dataset under ``workloads/`` at the top)
+reads the same.
 
 Definitions, as LLMServingSim's bench validates them (``bench/core/validate.py``) and vLLM's ``bench serve`` reports:
 TTFT = first_token_ts - arrival, TPOT = (last_token_ts - first_token_ts) / (output_toks - 1), E2E = last_token_ts -
@@ -54,6 +57,10 @@ log = logging.getLogger(__name__)
 
 REQUESTS, META, TIMESERIES, CLUSTER, PEER = ("vllm_requests.jsonl", "vllm_meta.json", "vllm_timeseries.csv",
                                              "config.json", "validation_summary.txt")
+# The same files as LLMServingSim's own tree keeps them (bench/examples/<GPU>/<model>/), its datasets in workloads/
+# at the top of that checkout
+BENCH_LAYOUT = {REQUESTS: "vllm/requests.jsonl", META: "vllm/meta.json", TIMESERIES: "vllm/timeseries.csv",
+                CLUSTER: "config.json", PEER: "validation/summary.txt"}
 # vLLM 0.19's memory outside weights and KV (activation peak of its profiling run, CUDA graphs, non-torch) in the one
 # recording that states its block count, LLMServingSim's RTX 4090 Llama-3.1-8B run (bench/examples/RTX4090/
 # Llama-3.1-8B/vllm/meta.json @ 5daddb2: 2588 blocks of 16 tokens, 0.9 of 25,250,627,584 bytes): 0.9 x 25.25 GB -
@@ -89,6 +96,10 @@ class GroundTruth:
     cluster: dict[str, Any]
     workload: Path  # the request list with prompt token ids the run replayed
 
+    def file(self, name: str) -> Path:
+        """One of the recording's files (``REQUESTS``, ``META``, ...) in whichever layout the folder has."""
+        return file_of(self.directory, name)
+
     @property
     def engine(self) -> dict[str, Any]:
         return self.meta.get("engine_kwargs") or {}
@@ -100,44 +111,52 @@ class GroundTruth:
         return (nodes[0].get("instances") or [{}])[0]
 
 
+def file_of(directory: Path, name: str) -> Path:
+    """``directory / name`` (the flat layout of shared/data), else its place in LLMServingSim's bench layout."""
+    flat = directory / name
+    return flat if flat.is_file() or not (directory / BENCH_LAYOUT[META]).is_file() else directory / BENCH_LAYOUT[name]
+
+
 def is_groundtruth(path: str | Path) -> bool:
     p = Path(path)
-    return p.is_dir() and (p / REQUESTS).is_file() and (p / META).is_file()
+    return p.is_dir() and file_of(p, REQUESTS).is_file() and file_of(p, META).is_file()
 
 
 def _find_workload(directory: Path, meta: Mapping[str, Any]) -> Path:
     """The dataset the run replayed (``vllm_meta.json`` dataset_path), by file name in the folder or the ones above
-    it, checked against the recorded sha256."""
-    name = Path(str(meta.get("dataset_path") or "")).name
-    if not name:
-        raise ValueError(f"{directory / META}: no dataset_path")
-    for parent in (directory, *directory.parents[:3]):
-        if (parent / name).is_file():
-            path = parent / name
-            want = meta.get("dataset_hash")
-            if want and hashlib.sha256(path.read_bytes()).hexdigest() != want:
-                raise ValueError(f"{path}: sha256 differs from {directory / META} dataset_hash {want}")
-            return path
-    raise ValueError(f"{directory / META}: dataset {name} not found in {directory} or the 3 folders above it")
+    it, or at its recorded relative path from one of those (LLMServingSim's checkout: ``workloads/...``), checked
+    against the recorded sha256."""
+    recorded = Path(str(meta.get("dataset_path") or ""))
+    where = file_of(directory, META)
+    if not recorded.name:
+        raise ValueError(f"{where}: no dataset_path")
+    for parent in (directory, *directory.parents[:4]):
+        for path in (parent / recorded.name, parent / recorded):
+            if path.is_file():
+                want = meta.get("dataset_hash")
+                if want and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+                    raise ValueError(f"{path}: sha256 differs from {where} dataset_hash {want}")
+                return path
+    raise ValueError(f"{where}: dataset {recorded} not found in {directory} or the 4 folders above it")
 
 
 def read_groundtruth(directory: str | Path) -> GroundTruth:
     """The run's requests (in file order, ``bench-<i>`` = line i of the workload), joined with the prompt token ids
     of the workload it replayed; lengths must agree."""
     d = Path(directory)
-    meta = json.loads((d / META).read_text())
-    cluster = json.loads((d / CLUSTER).read_text()) if (d / CLUSTER).is_file() else {}
+    meta = json.loads(file_of(d, META).read_text())
+    cluster = json.loads(file_of(d, CLUSTER).read_text()) if file_of(d, CLUSTER).is_file() else {}
     workload = _find_workload(d, meta)
     prompts = [json.loads(line) for line in workload.read_text().splitlines() if line.strip()]
-    rows = [json.loads(line) for line in (d / REQUESTS).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in file_of(d, REQUESTS).read_text().splitlines() if line.strip()]
     if len(rows) != len(prompts):
-        raise ValueError(f"{d / REQUESTS}: {len(rows)} requests, {workload} has {len(prompts)}")
+        raise ValueError(f"{file_of(d, REQUESTS)}: {len(rows)} requests, {workload} has {len(prompts)}")
     t0 = min(float(r["queued_ts"]) for r in rows)
     out = []
     for i, (r, w) in enumerate(zip(rows, prompts, strict=True)):
         ids = tuple(int(x) for x in w["input_tok_ids"])
         if len(ids) != int(r["input_toks"]) or int(w["output_toks"]) != int(r["output_toks"]):
-            raise ValueError(f"{d / REQUESTS} line {i + 1}: {r['input_toks']} + {r['output_toks']} tokens, "
+            raise ValueError(f"{file_of(d, REQUESTS)} line {i + 1}: {r['input_toks']} + {r['output_toks']} tokens, "
                              f"{workload} line {i + 1} has {len(ids)} + {w['output_toks']}")
         out.append(MeasuredRequest(str(r["request_id"]), float(r["queued_ts"]) - t0, float(r["scheduled_ts"]) - t0,
                                    float(r["first_token_ts"]) - t0, float(r["last_token_ts"]) - t0, ids,
@@ -406,7 +425,7 @@ def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
                            "ttft_measured_p50_s": float(np.median((m_first - m_arr)[free])),
                            "ttft_sim_p50_s": float(np.median((first - arr)[free])),
                            "ttft_diff_p50_s": float(np.median(((first - arr) - (m_first - m_arr))[free]))}
-    ts = gt.directory / TIMESERIES
+    ts = gt.file(TIMESERIES)
     if ts.is_file():
         import csv
 
@@ -449,7 +468,7 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     measured.update(backend="vllm (ground truth)", source=str(gt.directory))
     write_measured_run(out / "engine", states, measured)
     sim, draws = simulate_draws(sim_cfg, out / "sim")
-    peer = read_peer(gt.directory / PEER) if (gt.directory / PEER).is_file() else {}
+    peer = read_peer(gt.file(PEER)) if gt.file(PEER).is_file() else {}
     rows = with_band(error_rows(measured, sim, peer), (draws or {}).get("band"))
     cost, sched = (OmegaConf.select(sim_cfg, f"{k}._target_").rsplit(".", 1)[-1] for k in ("cost_model", "scheduler"))
     title = f"sim vs vLLM: {gt.directory.name} on {how['hardware']} (tp {how['tp']}), {cost}, {sched}"

@@ -68,6 +68,27 @@ def test_the_reader_joins_requests_with_their_prompts_on_the_engine_clock():
         (r0["last_token_ts"] - r0["first_token_ts"]) / (r0["output_toks"] - 1))
 
 
+def test_llmservingsims_own_tree_reads_the_same(tmp_path):
+    """bench/examples/<GPU>/<model>/{vllm/meta.json, vllm/requests.jsonl, vllm/timeseries.csv, config.json,
+    validation/summary.txt} with the dataset at workloads/ of the checkout's top: the same run."""
+    import shutil
+
+    from experiments.calibration.groundtruth import BENCH_LAYOUT, file_of
+
+    run = tmp_path / "bench" / "examples" / "RTXPRO6000" / "Llama-3.1-8B"
+    for flat, nested in BENCH_LAYOUT.items():
+        (run / nested).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(RUN / flat, run / nested)
+    flat_gt = read_groundtruth(RUN)
+    (tmp_path / "workloads").mkdir()
+    shutil.copy(flat_gt.workload, tmp_path / "workloads" / flat_gt.workload.name)
+    assert is_groundtruth(run) and file_of(run, "vllm_meta.json") == run / "vllm" / "meta.json"
+    gt = read_groundtruth(run)
+    assert gt.requests == flat_gt.requests and gt.workload == tmp_path / "workloads" / flat_gt.workload.name
+    assert read_peer(gt.file("validation_summary.txt")) == read_peer(RUN / "validation_summary.txt")
+    assert not is_groundtruth(tmp_path)
+
+
 def test_the_measured_metrics_are_the_peers_vllm_column():
     """Same definitions as LLMServingSim's validation: its table's vLLM numbers come back (0.1 ms rounding)."""
     measured = summarize(measured_states(read_groundtruth(RUN)), percentile_method="linear")
