@@ -11,7 +11,7 @@ per source turns rows into ``Dataset``s, one per measured setup (model, GPU, ten
   over ``token_size`` generated tokens (``e2e_time`` ≈ prompt_time + (token_size − 1)·token_time), priced as a decode
   step of ``batch_size`` sequences at the mean context prompt_size + token_size/2. Collectives come from Vidur's
   NCCL tables of the same nodes (``vidur/network/{a100,h100}_dgx``, as the simulator prices them). The power-capped
-  H100's ``token_time`` column is the H100's, row for row (only its prompt times were re-measured).
+  H100's rows are the H100's: ``token_time`` row for row, ``prompt_time`` x 1.30 on every row (scaled in the file).
 
 The host term (``sim.cost.roofline``: a stage lasts max(device, kernels x host_kernel_s)) is a property of the
 engine on its host CPU, not of the GPU: ``host_fits`` fits one ``host_kernel_s`` per host node on ONE setup's decode
