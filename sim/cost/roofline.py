@@ -248,9 +248,9 @@ class RooflineCostModel:
         return c["allreduce"] + c["all_to_all"] + c["send_recv"]
 
     def breakdown(self, f: StepFeatures) -> dict[str, float]:
-        """Seconds per op group, plus the collectives (``COMM``), the device-side launches (``kernels``), with a host
-        term the host time the device waits for (``host_wait``: max(0, host − device) per stage), and ``overhead``;
-        they sum to ``step_time`` (pp > 1: the stages' parts summed)."""
+        """Seconds per op group, plus the collectives (``COMM``), the device-side launches (``kernels``), with
+        host_kernel_s > 0 the host time not hidden behind the device (``host_wait``: max(0, host − device) per
+        stage), and ``overhead``; they sum to ``step_time`` (pp > 1: the stages' parts summed)."""
         times: dict[str, float] = {}
         if f.num_batched_tokens:
             for stage, kernel_s, host_s in zip(self._stages, self._stage_kernel_s, self.host_s, strict=True):
