@@ -25,7 +25,8 @@ from sim.cost.base import as_hardware_spec, as_model_spec, decode_features, pref
 from sim.cost.roofline import RooflineCostModel
 
 ESTIMATE_KEYS = ("batch_sizes", "context", "prefill_len", "memory_fraction", "block_size", "json")
-ROOFLINE_KEYS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp", "kernel_s")
+ROOFLINE_KEYS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp", "kernel_s",
+                 "host_kernel_s")
 PARALLEL_ONLY = ("pp", "dp", "ep", "moe_imbalance", "network_dir")  # roofline keys the step rows leave out
 
 
@@ -78,7 +79,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
              group_size: int = 128, tp: int = 1, compute_eff: float = 1.0, bw_eff: float = 1.0,
              overhead_s: float = 0.0, batch_sizes: Sequence[int] = (1, 8, 32, 128, 256), context: int = 2048,
              prefill_len: int = 2048, memory_fraction: float = 0.9, pp: int = 1, dp: int = 1, ep: int = 1,
-             block_size: int = 16, kernel_s: float | None = None) -> dict[str, Any]:
+             block_size: int = 16, kernel_s: float | None = None, host_kernel_s: float = 0.0) -> dict[str, Any]:
     """All numbers per device. Lower bounds use datasheet peaks; ``*_est`` use the given efficiencies + overhead.
 
     The quantised speed-up is the estimated 16-bit decode step time over the quantised one at the same batch.
@@ -97,9 +98,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     check_fraction(memory_fraction, "estimate.memory_fraction")
     est = RooflineCostModel(model, hardware, compute_eff=compute_eff, bw_eff=bw_eff, overhead_s=overhead_s,
                             weight_bits=weight_bits, kv_bits=kv_bits, group_size=group_size, tp=tp,
-                            kernel_s=kernel_s)  # None: the hardware's launch cost
+                            kernel_s=kernel_s, host_kernel_s=host_kernel_s)  # None: the hardware's launch cost
     m, hw = est.model, est.hardware
-    lower = est.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, kernel_s=0.0)  # peaks, no launches
+    lower = est.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, kernel_s=0.0,
+                        host_kernel_s=0.0)  # peaks, no launches, no host
     base16 = est.replace(weight_bits=16) if weight_bits < 16 else None
 
     weights = ar.weight_bytes(m, weight_bits, group_size)

@@ -181,9 +181,15 @@ class _RooflineTerms:
     fixed: np.ndarray  # (steps,) collective and kernel-launch seconds (not scaled by the efficiencies)
     owner: np.ndarray  # (steps,) which measurement each step belongs to
     num_rows: int
+    host: float = 0.0  # host seconds a step's device time overlaps (sim.cost.roofline: max(device, host))
+
+    def step(self, groups: np.ndarray, fixed: np.ndarray) -> np.ndarray:
+        """A step's price (no overhead) from its summed op-group times: max(groups + fixed, host)."""
+        return np.maximum(groups + fixed, self.host)
 
     def predict(self, compute_eff: float, bw_eff: float, overhead_s: float) -> np.ndarray:
-        per_step = np.maximum(self.compute / compute_eff, self.memory / bw_eff).sum(axis=1) + self.fixed + overhead_s
+        per_step = self.step(np.maximum(self.compute / compute_eff, self.memory / bw_eff).sum(axis=1),
+                               self.fixed) + overhead_s
         return np.bincount(self.owner, weights=per_step, minlength=self.num_rows)
 
     @property
@@ -212,7 +218,8 @@ def _roofline_terms(ref: RooflineCostModel, features: Sequence[Measurement],
             owner.append(i)
     shape = (len(owner), len(groups))
     return _RooflineTerms(np.array(compute, float).reshape(shape), np.array(memory, float).reshape(shape),
-                          np.array(fixed, float), np.array(owner, dtype=np.int64), len(features))
+                          np.array(fixed, float), np.array(owner, dtype=np.int64), len(features),
+                          ref.host_s[0] if ops is None else 0.0)
 
 
 def _rho(r: np.ndarray, loss: str, f_scale: float) -> np.ndarray:
@@ -231,7 +238,7 @@ def _fit_terms(terms: _RooflineTerms, y: np.ndarray, loss: str, f_scale: float) 
     bes = EFF_GRID[:, None, None]
     best = (math.inf, 1.0, 1.0, 0.0)
     for ce in EFF_GRID:  # vectorised over bw_eff (axis 0) and overhead candidates (last axis)
-        steps = np.maximum(terms.compute[None] / ce, terms.memory[None] / bes).sum(axis=2) + terms.fixed
+        steps = terms.step(np.maximum(terms.compute[None] / ce, terms.memory[None] / bes).sum(axis=2), terms.fixed)
         r0 = (np.add.reduceat(steps, starts, axis=1) - y) / y
         o = np.concatenate([np.broadcast_to(o_grid, (len(EFF_GRID), len(o_grid))),
                             np.maximum(0.0, -(r0 @ k) / float(k @ k))[:, None]], axis=1)
@@ -271,6 +278,8 @@ def fit_roofline(features: Sequence[Measurement], durations: Sequence[float] | n
     check_keys("fit_roofline.base", params, ROOFLINE_PARAMS)
     fixed = {k: v for k, v in params.items() if k not in FITTED_ROOFLINE}
     ref = RooflineCostModel(model, hardware, compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, **fixed)
+    if ref.host_kernel_s and ref.pp > 1:
+        raise ValueError("fit_roofline: host_kernel_s > 0 is fitted with pp = 1 only (one host term per step)")
     y = _durations(durations, len(features))
     if loss not in ("linear", "soft_l1"):
         raise ValueError(f"loss={loss!r}; allowed: 'linear', 'soft_l1'")
@@ -280,6 +289,32 @@ def fit_roofline(features: Sequence[Measurement], durations: Sequence[float] | n
     fitted = ref.replace(compute_eff=ce, bw_eff=be, overhead_s=o)
     priced = fitted if ops is None else OpGroupCost(fitted, tuple(ops))
     return fitted, report(priced, features, y, labels)
+
+
+HOST_GRID = 4001  # candidates of fit_host_kernel_s, 0 to the longest measurement / kernels
+
+
+def fit_host_kernel_s(ref: RooflineCostModel, features: Sequence[Measurement],
+                      durations: Sequence[float] | np.ndarray) -> float:
+    """The per-kernel host cost (``host_kernel_s``) that minimises the median relative error of ``ref`` (pp = 1;
+    everything else of it fixed) on the measurements.
+
+    A step with tokens costs max(device, kernels x host_kernel_s) + overhead (``sim.cost.roofline``), so each step's
+    device time is priced once and the candidates (a grid of ``HOST_GRID`` from 0 to the longest measurement over
+    the kernel count: the host alone explaining it) are compared vectorised; the smallest best candidate wins."""
+    if ref.pp > 1:
+        raise ValueError("fit_host_kernel_s: pp = 1 only (one host term per step)")
+    y = _durations(durations, len(features))
+    device = ref.replace(host_kernel_s=0.0, overhead_s=0.0)
+    steps = [f for m in features for f in steps_of(m)]
+    dev = np.array([device.step_time(f) for f in steps])
+    busy = np.array([f.num_batched_tokens > 0 for f in steps])  # an empty step launches nothing
+    starts = np.cumsum([0] + [len(steps_of(m)) for m in features])[:-1]
+    kernels = ref.kernels[0]
+    grid = np.linspace(0.0, float(y.max()) / kernels, HOST_GRID)
+    per_step = np.where(busy, np.maximum(dev, grid[:, None] * kernels), dev) + ref.overhead_s
+    err = np.median(np.abs(np.add.reduceat(per_step, starts, axis=1) - y) / y, axis=1)
+    return float(grid[int(np.argmin(err))])
 
 
 def _folds(n: int, folds: int, seed: int):

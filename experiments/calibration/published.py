@@ -3,8 +3,10 @@
     python -m experiments.published --out outputs/published
 
 For every measured setup: the default roofline's error, the fitted efficiencies and overhead with their in-sample
-and 5-fold held-out errors, and a fitted linear model. Writes published_check.json (everything but per-point
-values), published_check.md (the table) and published_scatter.png (predicted vs measured, log-log).
+and 5-fold held-out errors, a fitted linear model, and (Splitwise) the default roofline with the host term of its
+node, ``host_kernel_s`` fitted on one setup's decode rows, with the errors of the rows that fit did not see.
+Writes published_check.json (everything but per-point values), published_check.md (the table) and
+published_scatter.png (predicted vs measured, log-log).
 """
 
 from __future__ import annotations
@@ -58,20 +60,24 @@ def _pct(v: float | None) -> str:
 
 
 COLUMNS = ("source", "setup", "gpu", "tp", "rows", "default median", "default p90", "compute_eff", "bw_eff",
-           "overhead ms", "fitted median", "fitted p90", "fitted held-out median", "linear held-out median")
+           "overhead ms", "fitted median", "fitted p90", "fitted held-out median", "linear held-out median",
+           "host us/kernel", "host median", "host held-out prefill", "host held-out decode")
 
 
 def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for source, r in results.items():
         for x in r["setups"]:
-            d, f, lin = x["default"], x["roofline"], x["linear"]
+            d, f, lin, h = x["default"], x["roofline"], x["linear"], x["host"]
+            held = h["held_out_median"] if h else {}
             rows.append([source + (" (derived)" if x["derived"] else ""), x["name"].removeprefix(source + " "),
                          x["hardware"], str(x["tp"]), str(x["rows"]), _pct(d["median_rel_error"]),
                          _pct(d["p90_rel_error"]), f"{f['compute_eff']:.3f}", f"{f['bw_eff']:.3f}",
                          f"{1e3 * f['overhead_s']:.3f}", _pct(f["report"]["median_rel_error"]),
                          _pct(f["report"]["p90_rel_error"]), _pct(f["cv_median_rel_error"]),
-                         _pct(lin["cv_median_rel_error"]) if lin else "—"])
+                         _pct(lin["cv_median_rel_error"]) if lin else "—",
+                         f"{1e6 * h['host_kernel_s']:.1f}" if h else "—", _pct(h["median"]["all"]) if h else "—",
+                         _pct(held.get("prefill")), _pct(held.get("decode"))])
     return rows
 
 
@@ -86,10 +92,17 @@ def markdown(results: dict[str, Any]) -> str:
              "(0 for Vidur's per-operator rows, compared with the `linear` op group of one layer), "
              "and each hardware preset's per-kernel launch cost (`hardware.kernel_launch_s`: 4 us on a100/h100, "
              "not fitted; not in Vidur's per-operator rows). "
+             "Splitwise's collectives come from Vidur's NCCL tables of the same DGX nodes. "
              "'derived' rows come from DistServe's published fitted coefficients, not raw measurements.", "",
-             "| source | setups | rows | default median | fitted median |", "|---|---|---|---|---|"]
+             "Host term (`cost_model.host_kernel_s`: a stage lasts max(device, kernels x host_kernel_s)), one value "
+             "per host node, each fitted on one setup's decode rows; 'host held-out' columns: the rows that fit did "
+             "not see:", ""]
+    lines += [f"- {fit}" for r in results.values() for fit in r.get("host_fits", [])] or ["- none"]
+    lines += ["", "| source | setups | rows | default median | fitted median | host-term median |",
+              "|---|---|---|---|---|---|"]
     lines += [f"| {s} | {r['summary']['setups']} | {r['summary']['rows']} | "
-              f"{_pct(r['summary']['default_median_rel_error'])} | {_pct(r['summary']['fitted_median_rel_error'])} |"
+              f"{_pct(r['summary']['default_median_rel_error'])} | {_pct(r['summary']['fitted_median_rel_error'])} | "
+              f"{_pct(r['summary'].get('host_median_rel_error'))} |"
               for s, r in results.items()]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
@@ -130,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     widths = [max(len(c), *(len(r[i]) for r in table_rows(results))) for i, c in enumerate(COLUMNS)]
     for row in (list(COLUMNS), *table_rows(results)):
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    for r in results.values():
+        for fit in r.get("host_fits", []):
+            print(f"{r['source']}: {fit}; every other row held out")
     print(f"wrote {args.out}/published_check.json, published_check.md, published_scatter.png")
 
 

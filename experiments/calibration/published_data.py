@@ -9,7 +9,13 @@ per source turns rows into ``Dataset``s, one per measured setup (model, GPU, ten
 - ``splitwise``: vLLM on DGX-A100 / DGX-H100 (Splitwise, ISCA'24; ms). ``prompt_time``: a prefill of
   ``batch_size`` prompts of ``prompt_size`` tokens, priced as one step. ``token_time``: the mean decode iteration
   over ``token_size`` generated tokens (``e2e_time`` ≈ prompt_time + (token_size − 1)·token_time), priced as a decode
-  step of ``batch_size`` sequences at the mean context prompt_size + token_size/2.
+  step of ``batch_size`` sequences at the mean context prompt_size + token_size/2. Collectives come from Vidur's
+  NCCL tables of the same nodes (``vidur/network/{a100,h100}_dgx``, as the simulator prices them). The power-capped
+  H100's rows are the H100's: ``token_time`` row for row, ``prompt_time`` x 1.30 on every row (scaled in the file).
+
+The host term (``sim.cost.roofline``: a stage lasts max(device, kernels x host_kernel_s)) is a property of the
+engine on its host CPU, not of the GPU: ``host_fits`` fits one ``host_kernel_s`` per host node on ONE setup's decode
+rows (``SPLITWISE_HOST_FITS``) and ``check_dataset`` predicts every other row with it, held out.
 - ``sarathi-serve``: Yi-34B-200K, TP-2 on A100-80GB PCIe (Sarathi-Serve, OSDI'24 artifact; s in figure 2, ms in
   figure 9). Figure 2: one prefill of N tokens; decode batches of B sequences of a 1024-token request (1020 prompt
   + 4 decode tokens, context ≈ 1022). Figure 9: per-request sum of the prefill-only steps of a ``prefill_length``
@@ -40,7 +46,17 @@ from core.specs import HardwareSpec, ModelSpec
 from experiments.config import shared_data
 from sim.cost.base import decode_features, prefill_features
 from sim.cost.roofline import RooflineCostModel
-from sim.fit import FITTED_ROOFLINE, Measurement, OpGroupCost, cross_validate, fit_linear, fit_roofline, predict, report
+from sim.fit import (
+    FITTED_ROOFLINE,
+    Measurement,
+    OpGroupCost,
+    cross_validate,
+    fit_host_kernel_s,
+    fit_linear,
+    fit_roofline,
+    predict,
+    report,
+)
 
 MS = 1e-3
 
@@ -102,6 +118,7 @@ class Dataset:
     labels: list[str]
     ops: tuple[str, ...] | None = None
     derived: bool = False  # points computed from published fitted coefficients, not raw measurements
+    network_dir: Path | None = None  # NCCL tables measured on the setup's kind of node (None: the link model)
 
     def __post_init__(self) -> None:
         self.seconds = np.asarray(self.seconds, dtype=float)
@@ -158,6 +175,12 @@ def read_vidur(data_dir: Path, specs: Specs) -> Loaded:
 
 SPLITWISE_MODELS = {"llama2-70b": "llama2_70b"}
 SPLITWISE_HARDWARE = {"a100-80gb": "a100", "h100-80gb": "h100", "h100-80gb-pcap": "h100"}
+# The one setup whose decode rows fix each node's host_kernel_s, as (hardware, tp): TP 8, where the device has the
+# least to do, so its decode steps are the host's. DGX-A100 (AMD EPYC 7742 hosts) and DGX-H100 (Intel Xeon 8480C)
+# have different CPUs; the power-capped H100 runs on the DGX-H100 host (and its decode rows are the H100's).
+SPLITWISE_HOST_FITS = {"a100-80gb": ("a100-80gb", 8), "h100-80gb": ("h100-80gb", 8),
+                       "h100-80gb-pcap": ("h100-80gb", 8)}
+HOST_FIT_LABEL = "decode"
 
 
 def _kv_fits(model: ModelSpec, hw: HardwareSpec, tp: int, batch: int, context: int) -> bool:
@@ -195,8 +218,9 @@ def read_splitwise(data_dir: Path, specs: Specs) -> Loaded:
             feats += [_batch_prefill(b, p), decode_features(b, p + n // 2)]
             secs += [float(r["prompt_time"]) * MS, float(r["token_time"]) * MS]
             labels += ["prefill", "decode"]
+        network = data_dir / "vidur" / "network"
         out.append(Dataset("splitwise", f"splitwise {model} {hardware} tp{tp}", model_spec, hw, tp, feats, secs,
-                           labels))
+                           labels, network_dir=network if network.is_dir() else None))
     return out, skipped
 
 
@@ -281,17 +305,87 @@ def _priced(roofline: RooflineCostModel, ds: Dataset):
     return roofline if ds.ops is None else OpGroupCost(roofline, ds.ops)
 
 
-def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
+def default_roofline(ds: Dataset) -> RooflineCostModel:
+    """``conf/cost_model/roofline.yaml``'s roofline for the setup: 0.7, 0.75, 1 ms, the preset's
+    ``hardware.kernel_launch_s`` per kernel, no host term, the setup's measured collectives where it has them."""
+    return RooflineCostModel(ds.model, ds.hardware, tp=ds.tp,
+                             network_dir=None if ds.network_dir is None else str(ds.network_dir))
+
+
+@dataclass(frozen=True)
+class HostFit:
+    """One host node's ``host_kernel_s``, fitted on the ``label`` rows of one setup (``fit_host``)."""
+
+    setup: str  # the dataset name
+    label: str
+    rows: int
+    host_kernel_s: float
+    seen: tuple[str, ...] = ()  # setups whose ``label`` rows are the fit's own numbers (the fit setup among them)
+
+    def held_out(self, ds: Dataset) -> np.ndarray:
+        """Which of ``ds``'s rows the fit did not see (a copy of the fit rows counts as seen)."""
+        return np.array([ds.name not in self.seen or lab != self.label for lab in ds.labels])
+
+    def describe(self) -> str:
+        copies = [n for n in self.seen if n != self.setup]
+        return (f"host_kernel_s {1e6 * self.host_kernel_s:.1f} us, fitted on the {self.rows} {self.label} rows of "
+                f"{self.setup}" + (f" (the same numbers as {', '.join(copies)}'s)" if copies else ""))
+
+
+def fit_host(ds: Dataset, label: str = HOST_FIT_LABEL) -> HostFit:
+    """``host_kernel_s`` of the default roofline fitted on ``ds``'s ``label`` rows (``sim.fit.fit_host_kernel_s``)."""
+    rows = [i for i, lab in enumerate(ds.labels) if lab == label]
+    h = fit_host_kernel_s(default_roofline(ds), [ds.measurements[i] for i in rows], ds.seconds[rows])
+    return HostFit(ds.name, label, len(rows), h, (ds.name,))
+
+
+def _label_rows(ds: Dataset, label: str) -> list[tuple[Measurement, float]]:
+    return sorted(((m, float(t)) for m, t, lab in zip(ds.measurements, ds.seconds, ds.labels, strict=True)
+                   if lab == label), key=repr)
+
+
+def host_fits(datasets: list[Dataset]) -> dict[str, HostFit]:
+    """Dataset name -> the host fit of its node (Splitwise: ``SPLITWISE_HOST_FITS``; other sources: none)."""
+    by_key = {(ds.source, ds.hardware.name, ds.tp): ds for ds in datasets}
+    fits: dict[tuple[str, int], HostFit] = {}
+    out = {}
+    for ds in datasets:
+        key = SPLITWISE_HOST_FITS.get(ds.hardware.name) if ds.source == "splitwise" else None
+        if key is None or ("splitwise", *key) not in by_key:
+            continue
+        if key not in fits:
+            fit_ds = by_key["splitwise", *key]
+            fit = fit_host(fit_ds)
+            own = _label_rows(fit_ds, fit.label)  # the power-capped H100's decode rows are the H100's numbers
+            copies = tuple(d.name for d in datasets if d is not fit_ds and _label_rows(d, fit.label) == own)
+            fits[key] = replace(fit, seen=fit.seen + copies)
+        out[ds.name] = fits[key]
+    return out
+
+
+def _medians(p: np.ndarray, y: np.ndarray, labels: list[str], rows: np.ndarray) -> dict[str, float | None]:
+    """Median |relative error| of the ``rows`` (a mask): all, and by label (None: no row)."""
+    rel = np.abs(p - y) / y
+    lab = np.array(labels, dtype=object)
+    out = {"all": float(np.median(rel[rows])) if rows.any() else None}
+    for g in sorted(set(labels)):
+        sel = rows & (lab == g)
+        out[g] = float(np.median(rel[sel])) if sel.any() else None
+    return out
+
+
+def check_dataset(ds: Dataset, folds: int = 5, host: HostFit | None = None) -> dict[str, Any]:
     """Default roofline error, fitted roofline (+ held-out error) and, for whole steps, a fitted linear model;
+    with ``host`` the default roofline plus that host term, its errors on all rows and on the held-out ones;
     ``points`` holds per-row measured and predicted seconds for plots.
 
-    The default roofline is ``conf/cost_model/roofline.yaml``'s (0.7, 0.75, 1 ms, the preset's
-    ``hardware.kernel_launch_s`` per kernel); for single-operator data its per-step overhead does not apply and is
-    0 (and the kernel launches are not in the timed op groups). The peak bound has no overhead and no launches.
+    The default roofline is ``default_roofline``; for single-operator data its per-step overhead does not apply and
+    is 0 (and the kernel launches are not in the timed op groups). The peak bound has no overhead, no launches and
+    the link's collectives.
     """
     F, y = ds.measurements, ds.seconds
-    default = RooflineCostModel(ds.model, ds.hardware, tp=ds.tp)
-    peak = _priced(default.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, kernel_s=0.0), ds)
+    default = default_roofline(ds)
+    peak = _priced(default.replace(compute_eff=1.0, bw_eff=1.0, overhead_s=0.0, kernel_s=0.0, network_dir=None), ds)
     if ds.ops is not None:
         default = default.replace(overhead_s=0.0)
     fitted, fit_rep = fit_roofline(F, y, ds.model, ds.hardware, {"tp": ds.tp}, labels=ds.labels, ops=ds.ops)
@@ -305,7 +399,15 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
         "roofline": {**{k: fitted.params()[k] for k in FITTED_ROOFLINE},
                      "report": fit_rep.to_dict(), "cv_median_rel_error": float(np.median(np.abs(cv)))},
         "linear": None,
+        "host": None,
     }
+    if host is not None:
+        p = predict(_priced(default.replace(host_kernel_s=host.host_kernel_s), ds), F)
+        held = host.held_out(ds)
+        out["host"] = {"host_kernel_s": host.host_kernel_s, "fitted_on": host.setup, "label": host.label,
+                       "fit": host.describe(), "held_out_rows": int(held.sum()),
+                       "median": _medians(p, y, ds.labels, np.ones(len(y), bool)),
+                       "held_out_median": _medians(p, y, ds.labels, held)}
     if ds.ops is None:
         lin, lin_rep = fit_linear(F, y, labels=ds.labels)
         lcv = cross_validate(lambda f, t: fit_linear(f, t)[0], F, y, folds)
@@ -313,14 +415,18 @@ def check_dataset(ds: Dataset, folds: int = 5) -> dict[str, Any]:
                          "cv_median_rel_error": float(np.median(np.abs(lcv)))}
     out["points"] = {"measured": y.tolist(), "default": [float(v) for v in predict(_priced(default, ds), F)],
                      "fitted": [float(v) for v in predict(_priced(fitted, ds), F)], "labels": list(ds.labels)}
+    if host is not None:
+        out["points"]["host"] = [float(v) for v in p]
     return out
 
 
 def check(source: str, specs: Specs, data_dir: str | Path | None = None, folds: int = 5) -> dict[str, Any]:
-    """Every setup of one source: ``check_dataset`` results, which rows were skipped and why, and a summary pooling
-    all rows of the source (each setup priced by its own fitted roofline)."""
+    """Every setup of one source: ``check_dataset`` results (with its node's host fit, ``host_fits``), which rows
+    were skipped and why, the host fits, and a summary pooling all rows of the source (each setup priced by its own
+    fitted roofline; the host term's pooled error over the setups that have one)."""
     datasets, skipped = load(source, specs, data_dir)
-    setups = [check_dataset(ds, folds) for ds in datasets]
+    hosts = host_fits(datasets)
+    setups = [check_dataset(ds, folds, hosts.get(ds.name)) for ds in datasets]
     meas = np.concatenate([x["points"]["measured"] for x in setups])
 
     def pooled(key: str) -> float:
@@ -328,5 +434,11 @@ def check(source: str, specs: Specs, data_dir: str | Path | None = None, folds: 
         return float(np.median(np.abs(pred - meas) / meas))
 
     summary = {"setups": len(setups), "rows": len(meas), "default_median_rel_error": pooled("default"),
-               "fitted_median_rel_error": pooled("fitted")}
-    return {"source": source, "skipped": skipped, "summary": summary, "setups": setups}
+               "fitted_median_rel_error": pooled("fitted"), "host_median_rel_error": None}
+    if hosts:
+        with_host = [x for x in setups if x["host"] is not None]
+        m = np.concatenate([x["points"]["measured"] for x in with_host])
+        p = np.concatenate([x["points"]["host"] for x in with_host])
+        summary["host_median_rel_error"] = float(np.median(np.abs(p - m) / m))
+    fits = sorted({h.describe() for h in hosts.values()})
+    return {"source": source, "skipped": skipped, "summary": summary, "host_fits": fits, "setups": setups}

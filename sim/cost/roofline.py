@@ -19,9 +19,24 @@ All quantities are per device. Parallel deployments (``parallel``: tp, pp, dp, e
 Collectives are priced by ``sim.cost.comm.Comm``: measured NCCL tables where the hardware has them
 (``network_dir`` with ``hardware.network_profile``), else the peer link.
 
-Kernel launches (``kernel_s``, default ``hardware.kernel_launch_s``, 0 unless the preset sets it): every kernel a
-device runs in a step costs ``kernel_s`` on top of its roofline time, whatever ``tp`` is: an eager-mode engine
-launches the same kernels per layer at every tp, only smaller ones (``kernels_of_stage``).
+Kernels cost twice in an eager-mode engine (no CUDA graphs), once on each side of the launch queue; both terms
+count the same kernels, the same at every tp (an eager engine launches the same kernels per layer at every tp, only
+smaller ones: ``kernels_of_stage``):
+
+- device side (``kernel_s``, default ``hardware.kernel_launch_s``, 0 unless the preset sets it): the gap a device
+  leaves between two kernels even with its queue full, added to the stage's device time;
+- host side (``host_kernel_s``, default 0): the CPU time the engine spends issuing one kernel (Python, framework
+  dispatch, the launch call). The host runs ahead of the device, so the two overlap: a stage lasts
+
+      stage = max(device, host),  device = Σ op groups + collectives + kernels x kernel_s,
+                                  host   = kernels x host_kernel_s
+
+  (each pp stage has its own host process). A big batch hides the host behind the device; a small batch at high
+  tp waits on the host, which is why a host-bound engine's decode step stops shrinking with tp. ``breakdown`` adds
+  the part not hidden, ``host_wait`` = max(0, host − device), beside the device terms (present only when
+  host_kernel_s > 0); ``host_s`` is the whole host term of each stage. ``overhead_s`` (scheduling before the
+  launches) is added to the step after the overlap. host_kernel_s 0: the host is never the bound, and every price is
+  the device time alone, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,7 +61,7 @@ LOGIT_BYTES = 4  # logits are written in float32
 ALLREDUCES_PER_LAYER = 2  # after attention and after the MLP (Megatron-style tensor parallelism)
 TARGET = "sim.cost.roofline.RooflineCostModel"
 PARAMS = ("compute_eff", "bw_eff", "overhead_s", "weight_bits", "kv_bits", "group_size", "tp", "pp", "dp", "ep",
-          "moe_imbalance", "network_dir", "kernel_s")  # besides the specs
+          "moe_imbalance", "network_dir", "kernel_s", "host_kernel_s")  # besides the specs
 COMM = ("allreduce", "all_to_all", "send_recv")  # breakdown's communication terms
 # Kernels of one decoder layer of an eager-mode engine (vLLM without CUDA graphs): input RMSNorm, QKV GEMM, rotary
 # embedding, KV-cache write, attention, o_proj GEMM, residual add, post-attention RMSNorm, then the MLP. The
@@ -78,8 +93,9 @@ class RooflineCostModel:
     quantised weights are dequantised to compute at 16-bit peak (weight-only quantisation saves bytes, not FLOPs).
     A step with no tokens costs ``overhead_s``.
 
-    Every kernel costs ``kernel_s`` besides (``kernel_s`` None: ``hardware.kernel_launch_s``; breakdown key
-    ``kernels``): the launch floor of an eager-mode engine, the same at every tp (``kernels_of_stage``).
+    Every kernel costs ``kernel_s`` of device time besides (``kernel_s`` None: ``hardware.kernel_launch_s``;
+    breakdown key ``kernels``), and ``host_kernel_s`` of host time that overlaps the device's (breakdown key
+    ``host_wait``: the host time not hidden); see the module docstring.
 
     Bytes are what the engine stores, from ``core.arithmetic``: with ``weight_bits`` 4 (the engine's W4A16) or 8
     (a what-if format: the engine has no W8 path) each group of ``group_size`` linear weights carries a 16-bit
@@ -92,13 +108,14 @@ class RooflineCostModel:
                  compute_eff: float = 0.7, bw_eff: float = 0.75, overhead_s: float = 1e-3, weight_bits: int = 16,
                  kv_bits: int = 16, group_size: int = 128, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                  moe_imbalance: float | None = None, network_dir: str | None = None,
-                 kernel_s: float | None = None) -> None:
+                 kernel_s: float | None = None, host_kernel_s: float = 0.0) -> None:
         m, hw = as_model_spec(model), as_hardware_spec(hardware)
         self.model, self.hardware = m, hw
         self.compute_eff = check_fraction(compute_eff, "cost_model.compute_eff")
         self.bw_eff = check_fraction(bw_eff, "cost_model.bw_eff")
         self.overhead_s = check_float(overhead_s, "cost_model.overhead_s", 0.0)
         self.kernel_s = check_float(hw.kernel_launch_s if kernel_s is None else kernel_s, "cost_model.kernel_s", 0.0)
+        self.host_kernel_s = check_float(host_kernel_s, "cost_model.host_kernel_s", 0.0)
         ar.check_quant(weight_bits, kv_bits, group_size)
         self.weight_bits, self.kv_bits, self.group_size = weight_bits, kv_bits, group_size
         ar.kv_heads_per_device(m, tp)  # validates tp
@@ -126,6 +143,8 @@ class RooflineCostModel:
         self.kernels = [kernels_of_stage(m, layers, i == 0, i == pp - 1) for i, layers in enumerate(stages)]
         self._stage_kernel_s = [self.kernel_s * n for n in self.kernels]  # seconds of each stage's launches
         self._kernel_s = self._stage_kernel_s[0]  # pp=1 (the hot path)
+        self.host_s = [self.host_kernel_s * n for n in self.kernels]  # host seconds to issue each stage's kernels
+        self._host_s = self.host_s[0]
 
     def _stage(self, layers: range, last: bool) -> tuple:
         """Per-device coefficients of one stage: dense linear FLOPs per token and bytes, routed-expert FLOPs per
@@ -230,15 +249,18 @@ class RooflineCostModel:
         return c["allreduce"] + c["all_to_all"] + c["send_recv"]
 
     def breakdown(self, f: StepFeatures) -> dict[str, float]:
-        """Seconds per op group, plus the collectives (``COMM``) and ``overhead``; they sum to ``step_time``
-        (pp > 1: the stages' op groups and collectives summed)."""
+        """Seconds per op group, plus the collectives (``COMM``), the device-side launches (``kernels``), with
+        host_kernel_s > 0 the host time not hidden behind the device (``host_wait``: max(0, host − device) per
+        stage), and ``overhead``; they sum to ``step_time`` (pp > 1: the stages' parts summed)."""
         times: dict[str, float] = {}
         if f.num_batched_tokens:
-            for stage, kernel_s in zip(self._stages, self._stage_kernel_s, strict=True):
+            for stage, kernel_s, host_s in zip(self._stages, self._stage_kernel_s, self.host_s, strict=True):
                 parts = {n: max(fl / self._flop_rate, by / self._byte_rate)
                          for n, (fl, by) in zip(self.GROUPS, self._groups(f, stage), strict=True)}
                 parts.update(self.comm_times(f, stage))
                 parts["kernels"] = kernel_s
+                if self.host_kernel_s:
+                    parts["host_wait"] = max(0.0, host_s - sum(parts.values()))
                 for k, v in parts.items():
                     times[k] = times.get(k, 0.0) + v
             if self.moe is None:
@@ -246,20 +268,23 @@ class RooflineCostModel:
         else:
             times.update(dict.fromkeys(COMM, 0.0))
             times["kernels"] = 0.0
+            if self.host_kernel_s:
+                times["host_wait"] = 0.0
         times["overhead"] = self.overhead_s
         return times
 
     def stage_times(self, f: StepFeatures, moe_tokens: int | None = None) -> list[float]:
-        """Seconds each pipeline stage takes for the step, its send to the next stage and its kernel launches
-        included (no overhead)."""
+        """Seconds each pipeline stage takes for the step: max(device, host), the device time with its send to the
+        next stage and its kernel launches (no overhead)."""
         if f.num_batched_tokens == 0:
             return [0.0] * self.pp
         fr, br = self._flop_rate, self._byte_rate
         out = []
-        for stage, kernel_s in zip(self._stages, self._stage_kernel_s, strict=True):
+        for stage, kernel_s, host_s in zip(self._stages, self._stage_kernel_s, self.host_s, strict=True):
             c = self.comm_times(f, stage, moe_tokens)
-            out.append(sum(max(fl / fr, by / br) for fl, by in self._groups(f, stage, moe_tokens))
-                       + c["allreduce"] + c["all_to_all"] + c["send_recv"] + kernel_s)
+            device = sum(max(fl / fr, by / br) for fl, by in self._groups(f, stage, moe_tokens)) \
+                + c["allreduce"] + c["all_to_all"] + c["send_recv"] + kernel_s
+            out.append(max(device, host_s))
         return out
 
     def group_step_time(self, features: Sequence[StepFeatures]) -> float:
@@ -274,12 +299,13 @@ class RooflineCostModel:
             return sum(self.stage_times(f)) + self.overhead_s
         fr, br = self._flop_rate, self._byte_rate
         compute = sum(max(fl / fr, by / br) for fl, by in self._groups(f))
-        return compute + self._comm_s(f) + self._kernel_s + self.overhead_s
+        return max(compute + self._comm_s(f) + self._kernel_s, self._host_s) + self.overhead_s
 
     def decode_step_times(self, first: StepFeatures, num_steps: int) -> list[float]:
         """``step_time`` of a run of decode steps (``sim.cost.base.DecodeCostModel``), bit-identical to the scalar:
         the op groups in ``step_time``'s order, each ``max(FLOPs / rate, bytes / rate)``, summed left to right from
-        0; only attention decode varies (KV tokens read), as a numpy array, the other terms are the scalar floats."""
+        0, then the max with the host term; only attention decode varies (KV tokens read), as a numpy array, the
+        other terms are the scalar floats."""
         if first.num_batched_tokens == 0:
             return [self.overhead_s] * num_steps
         if self.pp > 1:
@@ -294,6 +320,7 @@ class RooflineCostModel:
         t = t + max(g[5][0] / fr, g[5][1] / br)
         t = t + self._comm_s(first)
         t = t + self._kernel_s
+        t = np.maximum(t, self._host_s)
         t = t + self.overhead_s
         return t.tolist()
 

@@ -107,6 +107,7 @@ def test_tp2_halves_per_device_bytes_and_adds_allreduce():
 @pytest.mark.parametrize(("key", "value"), [
     ("compute_eff", 0.0), ("compute_eff", 1.5), ("bw_eff", -1), ("overhead_s", -1e-3), ("weight_bits", 3),
     ("kv_bits", 4), ("group_size", 0), ("tp", 0), ("tp", 3), ("compute_eff", "fast"), ("kernel_s", -1e-6),
+    ("host_kernel_s", -1e-6),
 ])
 def test_roofline_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=key):
@@ -169,6 +170,79 @@ def test_fit_keeps_the_kernel_term_fixed():
     assert fitted.kernel_s == 4e-6
     for key in ("compute_eff", "bw_eff", "overhead_s"):
         assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3, abs=1e-7)
+
+
+def test_host_term_overlaps_the_device_time_by_hand():
+    """A stage lasts max(device, kernels x host_kernel_s), plus the overhead: TINY launches 29 kernels a step, so
+    with host = 2 x device the step is 2 x device (half of it waiting on the host), with host = device / 2 the
+    device alone."""
+    dev = RooflineCostModel(TINY, H100, overhead_s=0.0, kernel_s=4e-6, tp=2)
+    for f in (decode_features(3, 100), prefill_features(64)):
+        d = dev.step_time(f)
+        for host, step, wait in ((2 * d, 2 * d, d), (d / 2, d, 0.0)):
+            m = dev.replace(host_kernel_s=host / 29, overhead_s=1e-3)
+            assert m.host_s == [pytest.approx(host)]
+            assert m.step_time(f) == pytest.approx(step + 1e-3, rel=1e-12)
+            b = m.breakdown(f)
+            assert b["host_wait"] == pytest.approx(wait, rel=1e-12, abs=1e-18)  # hidden: host - host_wait
+            assert b["kernels"] == pytest.approx(29 * 4e-6)  # the device-side launches stay in the device time
+            assert sum(b.values()) == pytest.approx(m.step_time(f), rel=1e-12)
+            assert m.stage_times(f) == [pytest.approx(step, rel=1e-12)]
+    empty = dev.replace(host_kernel_s=1.0)
+    assert empty.step_time(prefill_features(0)) == 0.0 and empty.breakdown(prefill_features(0))["host_wait"] == 0.0
+    # pp = 2: each stage's host issues its own kernels (13 and 16) and overlaps its own device time
+    two = RooflineCostModel(TINY, H100, overhead_s=1e-3, kernel_s=4e-6, pp=2, host_kernel_s=1e-3)
+    f = decode_features(3, 100)
+    assert two.host_s == [pytest.approx(13e-3), pytest.approx(16e-3)]
+    assert two.stage_times(f) == [pytest.approx(13e-3), pytest.approx(16e-3)]
+    assert two.step_time(f) == pytest.approx(29e-3 + 1e-3)
+    assert sum(two.breakdown(f).values()) == pytest.approx(two.step_time(f), rel=1e-12)
+
+
+def test_host_term_zero_prices_the_device_alone_bit_for_bit():
+    """host_kernel_s 0: the price is the sum of op groups + collectives + launches + overhead, exactly as before the
+    host term, and breakdown has no host key."""
+    m = RooflineCostModel(LLAMA3_8B, H100, tp=2, kernel_s=4e-6)
+    assert m.host_kernel_s == 0.0 and m.host_s == [0.0]
+    fr, br = m._flop_rate, m._byte_rate
+    for f in (decode_features(1, 10), decode_features(64, 3000), prefill_features(2048), prefill_features(7, 100)):
+        device = sum(max(fl / fr, by / br) for fl, by in m._groups(f)) + m._comm_s(f) + m._kernel_s
+        assert m.step_time(f) == device + m.overhead_s
+        assert "host_wait" not in m.breakdown(f) and sum(m.breakdown(f).values()) == m.step_time(f)
+
+
+def test_host_term_decode_runs_stay_bit_identical_across_the_crossover():
+    """A decode run whose KV reads grow from below the host term to above it: the vectorised run equals the
+    scalar step times, bit for bit, on both sides."""
+    from core.fast_forward import decode_features as next_decode
+
+    dev = RooflineCostModel(LLAMA3_8B, H100, overhead_s=2e-4, kernel_s=4e-6)
+    f = decode_features(64, 1000)
+    times = dev.decode_step_times(f, 3000)
+    m = dev.replace(host_kernel_s=(times[1500] - 2e-4) / dev.kernels[0])
+    run = m.decode_step_times(f, 3000)
+    assert run == [m.step_time(next_decode(f, i)) for i in range(3000)]
+    waits = [m.breakdown(next_decode(f, i))["host_wait"] for i in (0, 2999)]
+    assert waits[0] > 0 == waits[1]  # host-bound at first, device-bound at the end
+
+
+def test_fits_with_the_host_term():
+    """fit_roofline keeps a given host term and recovers the rest; fit_host_kernel_s recovers the host term."""
+    from sim.fit import fit_host_kernel_s, fit_roofline
+
+    truth = RooflineCostModel(LLAMA3_8B, H100, compute_eff=0.6, bw_eff=0.5, overhead_s=2e-4, kernel_s=4e-6,
+                              host_kernel_s=40e-6)
+    feats = [decode_features(b, c) for b in (1, 8, 64, 256) for c in (128, 2048)] + \
+        [prefill_features(n) for n in (128, 1024, 4096)]
+    y = [truth.step_time(f) for f in feats]
+    assert sum(truth.breakdown(f)["host_wait"] > 0 for f in feats) >= 3  # some steps wait on the host
+    fitted, _ = fit_roofline(feats, y, LLAMA3_8B, H100, {"kernel_s": 4e-6, "host_kernel_s": 40e-6}, loss="linear")
+    assert fitted.host_kernel_s == 40e-6
+    for key in ("compute_eff", "bw_eff", "overhead_s"):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3, abs=1e-7)
+    assert fit_host_kernel_s(truth.replace(host_kernel_s=0.0), feats, y) == pytest.approx(40e-6, rel=2e-3)
+    with pytest.raises(ValueError, match="pp = 1"):
+        fit_host_kernel_s(truth.replace(pp=2), feats, y)
 
 
 def test_tp_needs_an_interconnect():
