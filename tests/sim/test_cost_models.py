@@ -1,7 +1,6 @@
 """Roofline and linear cost models against hand arithmetic; every conf option composes and instantiates."""
 
 import math
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -10,9 +9,10 @@ from omegaconf import OmegaConf
 
 from core.batch import StepFeatures
 from core.specs import HardwareSpec, ModelSpec
+from experiments.config import CONF_DIR
 from sim.cost import CostModel, LinearCostModel, RooflineCostModel, decode_features, prefill_features
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = CONF_DIR  # importing experiments.config registers the schemas conf/*.yaml defaults name
 LLAMA3_8B = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256)
 H100 = HardwareSpec("h100", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9, interconnect_bw=450e9)
 LAYER_LINEAR = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q,o + k,v + gate/up/down
