@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from core.checks import check_choice, check_int, check_keys
+from core.checks import check_choice, check_float, check_int, check_keys
 
 WEIGHT_BITS = (16, 8, 4)  # stored weight widths (16: the model dtype)
 KV_BITS = (16, 8)  # stored KV widths (16: the model dtype; 8: int8 with float32 scales)
@@ -292,13 +292,12 @@ class HardwareSpec:
     kernel_launch_s: float = 0.0  # seconds one kernel launch costs an eager-mode engine (0: not priced)
 
     def __post_init__(self) -> None:
+        # numbers, checked and stored as floats (a quoted "16e9" from a config is refused here, by name)
         for key in ("peak_flops", "mem_bw", "mem_bytes"):
-            if float(getattr(self, key)) <= 0:
-                raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("host_link_bw", "host_link_latency_s", "interconnect_latency_s", "price_per_hour",
-                    "kernel_launch_s"):
-            if float(getattr(self, key)) < 0:
-                raise ValueError(f"hardware.{key} must be >= 0, got {getattr(self, key)}")
+            object.__setattr__(self, key, check_float(getattr(self, key), f"hardware.{key}", 0.0, strict=True))
+        for key in ("interconnect_bw", "peak_flops_int8", "host_link_bw", "host_link_latency_s",
+                    "interconnect_latency_s", "price_per_hour", "kernel_launch_s"):
+            object.__setattr__(self, key, check_float(getattr(self, key), f"hardware.{key}"))
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> HardwareSpec:

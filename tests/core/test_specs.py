@@ -110,3 +110,16 @@ def test_expert_count_under_transformers_5_name():
     hf = hf_config("Qwen3-30B-A3B-Instruct-2507")
     hf["num_local_experts"] = hf.pop("num_experts")
     assert ModelSpec.from_hf_config(hf).moe.num_experts == 128
+
+
+def test_hardware_numbers_are_checked_by_name():
+    """A quoted number (YAML reads ``16e9`` as a string) or a negative one fails at the spec, naming the key."""
+    from core.specs import HardwareSpec
+
+    base = {"name": "x", "peak_flops": 1e15, "mem_bw": 2e12, "mem_bytes": 80e9}
+    hw = HardwareSpec.from_mapping({**base, "interconnect_bw": 16_000_000_000})
+    assert isinstance(hw.interconnect_bw, float) and hw.interconnect_bw == 16e9
+    for key, value in (("interconnect_bw", "16e9"), ("mem_bw", 0), ("kernel_launch_s", -1e-6),
+                       ("peak_flops", True)):
+        with pytest.raises(ValueError, match=f"hardware.{key}="):
+            HardwareSpec.from_mapping({**base, key: value})
