@@ -471,7 +471,8 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     peer = read_peer(gt.file(PEER)) if gt.file(PEER).is_file() else {}
     rows = with_band(error_rows(measured, sim, peer), (draws or {}).get("band"))
     cost, sched = (OmegaConf.select(sim_cfg, f"{k}._target_").rsplit(".", 1)[-1] for k in ("cost_model", "scheduler"))
-    title = f"sim vs vLLM: {gt.directory.name} on {how['hardware']} (tp {how['tp']}), {cost}, {sched}"
+    deployment = f"tp {how['tp']}" + (f", dp {how['dp']} x ep {how['ep']}" if how["dp"] > 1 else "")
+    title = f"sim vs vLLM: {gt.directory.name} on {how['hardware']} ({deployment}), {cost}, {sched}"
     md = rows_markdown(rows, title)
     (out / "errors.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "errors.md").write_text(md)
