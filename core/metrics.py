@@ -34,6 +34,7 @@ from core.request import RequestState, Status
 from core.specs import ModelSpec
 
 PERCENTILE_METHODS = ("nearest_rank", "linear")
+LATENCY_ORIGINS = ("arrival", "receipt")  # what TTFT / E2E / queueing count from (RequestState.received_s)
 DEFAULT_PERCENTILES = (50, 90, 99)
 DEFAULT_PROMPT_LEN_EDGES = (256, 1024, 4096)
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "max_stall_s", "queue_s", "prefill_span_s")
@@ -167,7 +168,8 @@ def _chunk_stats(states: Sequence[RequestState], keep: np.ndarray) -> tuple[list
 def request_metrics(state: RequestState, max_stall_s: float | None = None, stall_known: bool = False
                     ) -> RequestMetrics:
     """One request's metrics (``max_stall_s`` from ``token_stats`` when ``stall_known``)."""
-    a, st = state.request.arrival_s, state
+    st = state
+    a = st.request.arrival_s if st.received_s is None else st.received_s  # the engine's receipt, when stamped
     ttft = None if st.first_token_s is None else st.first_token_s - a
     done = st.status is Status.FINISHED and st.finish_s is not None
     e2e = st.finish_s - a if done else None

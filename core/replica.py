@@ -125,7 +125,7 @@ class ReplicaSchedulerView:
 class Replica:
     def __init__(self, index: int, scheduler: Scheduler, kv: KVCacheManager, limits: SchedulerLimits,
                  on_terminal: OnTerminal | None = None, speculation: SpeculationPolicy | None = None,
-                 preemption: PreemptionPolicy | None = None) -> None:
+                 preemption: PreemptionPolicy | None = None, stamp_receipt: bool = False) -> None:
         self.index = index
         self.scheduler = scheduler
         self.speculation = speculation  # speculative decoding: draft tokens per decode (None: off)
@@ -140,6 +140,8 @@ class Replica:
         self._aborts: dict[str, tuple[RequestState, Status, str]] = {}  # running requests to end at next schedule()
         self._async = bool(getattr(scheduler, "async_scheduling", False))  # vLLM's step-ahead scheduling (below)
         self._queued_s = {}
+        # requests added since the last schedule(), to stamp received_s there (None: not stamped)
+        self._unreceived: list[RequestState] | None = [] if stamp_receipt else None
 
 
     # ---- requests in ---------------------------------------------------------------------------------------
@@ -164,6 +166,8 @@ class Replica:
         state.stop_token_ids = self._stop_ids(request)
         if self._async:
             self._queued_s[state.id] = now
+        if self._unreceived is not None:
+            self._unreceived.append(state)
         self.waiting.append(state)
         self._interrupt_decode_run()
         return state
@@ -205,6 +209,10 @@ class Replica:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Batch:
+        if self._unreceived:  # the loop takes in what arrived while the last step ran (vLLM stamps queued_ts here)
+            for state in self._unreceived:
+                state.received_s = max(now, state.request.arrival_s)
+            self._unreceived.clear()
         if self._adopted:
             self._admit_adopted()
         if self._aborts:

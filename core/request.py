@@ -210,6 +210,10 @@ class RequestState:
     num_cached_tokens: int = 0  # prefix-cache hit when first scheduled (tokens)
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
+    # when the serving loop took the request in: its first schedule() at or after arrival, i.e. the end of the step
+    # in flight when it arrived (vLLM's queued_ts). Stamped only by a replica told to (``metrics.latency_from=
+    # receipt``); when set, TTFT, E2E and queueing count from it instead of the arrival.
+    received_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
     # time of each output token (equal times: one multi-token event); a flat array of doubles (8 bytes a token,

@@ -137,7 +137,7 @@ def build_replicas(run: RunConfig) -> list[Replica]:
                     KVCacheManager(blocks, run.kv.block_size, instantiate_group(cfg.eviction, "eviction"),
                                    run.kv.prefix_caching, host_tier(run), run.kv.prefix_cache_mode), run.limits,
                     speculation=instantiate_group(spec.policy, "speculation") if spec.method else None,
-                    preemption=preemption_policy(run))
+                    preemption=preemption_policy(run), stamp_receipt=run.metrics.latency_from == "receipt")
             for i in range(run.cluster.num_replicas * par.dp * par.pp)]
 
 

@@ -27,7 +27,7 @@ from core.checks import check_bool, check_choice, check_float, check_fraction, c
 from core.interfaces import SchedulerLimits
 from core.kv_cache import PREFIX_CACHE_MODES
 from core.links import Link
-from core.metrics import PERCENTILE_METHODS
+from core.metrics import LATENCY_ORIGINS, PERCENTILE_METHODS
 from core.specs import HardwareSpec, ModelSpec, QuantSpec
 from engine.options import EngineOptions
 
@@ -158,9 +158,11 @@ class MetricsConfig:
     percentile_method: str = "nearest_rank"  # nearest_rank | linear
     prefix_cost: Optional[list[float]] = None  # noqa: UP045  [a, b] of C(n) = a·n + b·n(n+1)/2; None: model FLOPs
     prompt_len_edges: list[int] = dataclasses.field(default_factory=lambda: [256, 1024, 4096])
+    latency_from: str = "arrival"  # arrival | receipt: TTFT, E2E, queueing from the engine loop's taking it in
 
     def __post_init__(self) -> None:
         check_choice(self.percentile_method, "metrics.percentile_method", PERCENTILE_METHODS)
+        check_choice(self.latency_from, "metrics.latency_from", LATENCY_ORIGINS)
         if self.prefix_cost is not None:
             cost = self.prefix_cost
             if not isinstance(cost, list | tuple) or len(cost) != 2:

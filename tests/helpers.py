@@ -42,11 +42,12 @@ class FormulaExecutor(BaseExecutor):
 
 def run_requests(requests: Sequence[Request], scheduler_factory, *, step_time=lambda f: 0.01, num_blocks=64,
              block_size=16, replicas=1, router=None, eviction_factory=LRUEviction, prefix_caching=True,
-             prefix_cache_mode=PROMPT, keep_batches=False, **limits) -> tuple[RunResult, list[Replica]]:
+             prefix_cache_mode=PROMPT, keep_batches=False, stamp_receipt=False,
+             **limits) -> tuple[RunResult, list[Replica]]:
     reps = [Replica(i, scheduler_factory(),
                     KVCacheManager(num_blocks, block_size, eviction_factory(), prefix_caching,
                                    prefix_cache_mode=prefix_cache_mode),
-                    SchedulerLimits(**limits)) for i in range(replicas)]
+                    SchedulerLimits(**limits), stamp_receipt=stamp_receipt) for i in range(replicas)]
     loop = ServingLoop(reps, [FormulaExecutor(step_time) for _ in reps], router or RoundRobinRouter(),
                        ListWorkload(requests), keep_batches=keep_batches)
     return run_virtual(loop), reps

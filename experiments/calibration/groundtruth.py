@@ -13,13 +13,17 @@ folder of LLMServingSim's own checkout (``bench/examples/<GPU>/<model>``: ``vllm
 reads the same.
 
 Definitions, as LLMServingSim's bench validates them (``bench/core/validate.py``) and vLLM's ``bench serve`` reports:
-TTFT = first_token_ts - arrival, TPOT = (last_token_ts - first_token_ts) / (output_toks - 1), E2E = last_token_ts -
-arrival. The arrival is ``queued_ts``, the engine's clock like first / last (``arrival_time`` is another clock: a
-wall-clock epoch), so the times here exclude the API server in front of the engine (0-107 ms after arrival_time,
-median 15 ms, in the RTX PRO 6000 run). The simulator's arrivals are the same offsets, queued_ts minus the first
-one (not the workload file's nominal ones, which the client reproduced to within 16 ms), so TTFT means the same on
-both sides: engine queueing plus the steps up to the first token. Only first and last token times are recorded:
-the measured run's intermediate token times are spread evenly between them, so ITL is not compared.
+TTFT = first_token_ts - queued_ts, TPOT = (last_token_ts - first_token_ts) / (output_toks - 1), E2E = last_token_ts -
+queued_ts, all on the engine core's clock. ``queued_ts`` is the engine's receipt, which its loop stamps between steps:
+a request that reaches the engine while a step runs is stamped when that step ends (0-107 ms after ``arrival_time``,
+median 15 ms, in the RTX PRO 6000 run; up to 370 ms in the Qwen3-32B run, whose steps are long), so the recorded
+TTFT leaves out the wait for the step in flight. The simulation is therefore fed the client's arrivals,
+``arrival_time`` (a wall-clock epoch) moved onto the engine's clock by the run's smallest ``queued_ts -
+arrival_time`` (the request that found the loop waiting: the clock offset plus the API server's own minimum), and
+measures from its own receipt (``metrics.latency_from=receipt``: the first scheduling pass at or after arrival), so
+TTFT means the same on both sides. Without ``arrival_time`` the arrivals are the ``queued_ts`` themselves. Only first
+and last token times are recorded: the measured run's intermediate token times are spread evenly between them, so
+ITL is not compared.
 
 Engine settings of the simulation (``settings``): model and hardware from the run's model id and ``config.json``
 (``conf/model`` / ``conf/hardware`` options matched by name), ``tp`` from engine_kwargs (the cost model's too),
@@ -80,7 +84,8 @@ class MeasuredRequest:
     """One request of the run, times in seconds from the first request's queued_ts (the engine's clock)."""
 
     id: str
-    arrival_s: float  # queued_ts
+    arrival_s: float  # the client's arrival_time on the engine's clock (read_groundtruth), else queued_ts
+    received_s: float  # queued_ts: the engine loop took it in
     scheduled_s: float
     first_token_s: float
     last_token_s: float
@@ -151,14 +156,19 @@ def read_groundtruth(directory: str | Path) -> GroundTruth:
     rows = [json.loads(line) for line in file_of(d, REQUESTS).read_text().splitlines() if line.strip()]
     if len(rows) != len(prompts):
         raise ValueError(f"{file_of(d, REQUESTS)}: {len(rows)} requests, {workload} has {len(prompts)}")
-    t0 = min(float(r["queued_ts"]) for r in rows)
+    # arrival_time is another clock: moved onto the engine's by the smallest receipt delay (see the module docstring)
+    clocked = all(r.get("arrival_time") is not None for r in rows)
+    offset = min(float(r["queued_ts"]) - float(r["arrival_time"]) for r in rows) if clocked else 0.0
+    t0 = min(float(r["arrival_time"]) + offset if clocked else float(r["queued_ts"]) for r in rows)
     out = []
     for i, (r, w) in enumerate(zip(rows, prompts, strict=True)):
         ids = tuple(int(x) for x in w["input_tok_ids"])
         if len(ids) != int(r["input_toks"]) or int(w["output_toks"]) != int(r["output_toks"]):
             raise ValueError(f"{file_of(d, REQUESTS)} line {i + 1}: {r['input_toks']} + {r['output_toks']} tokens, "
                              f"{workload} line {i + 1} has {len(ids)} + {w['output_toks']}")
-        out.append(MeasuredRequest(str(r["request_id"]), float(r["queued_ts"]) - t0, float(r["scheduled_ts"]) - t0,
+        queued = float(r["queued_ts"]) - t0
+        arrival = float(r["arrival_time"]) + offset - t0 if clocked else queued
+        out.append(MeasuredRequest(str(r["request_id"]), arrival, queued, float(r["scheduled_ts"]) - t0,
                                    float(r["first_token_ts"]) - t0, float(r["last_token_ts"]) - t0, ids,
                                    int(r["output_toks"])))
     return GroundTruth(d, out, meta, cluster, workload)
@@ -181,7 +191,8 @@ def measured_states(gt: GroundTruth) -> list[RequestState]:
     for r in gt.requests:
         s = RequestState(Request(id=r.id, arrival_s=r.arrival_s, prompt_len=len(r.prompt_token_ids),
                                  max_new_tokens=r.output_tokens))
-        s.replica, s.first_scheduled_s, s.first_token_s, s.finish_s = 0, r.scheduled_s, r.first_token_s, r.last_token_s
+        s.replica, s.received_s, s.first_scheduled_s = 0, r.received_s, r.scheduled_s
+        s.first_token_s, s.finish_s = r.first_token_s, r.last_token_s
         s.token_times = array("d", np.linspace(r.first_token_s, r.last_token_s, r.output_tokens).tolist())
         s.output_token_ids = [-1] * r.output_tokens
         s.status = Status.FINISHED
@@ -332,7 +343,7 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
            f"scheduler.max_num_batched_tokens={int(e['max_num_batched_tokens'])}",
            f"kv.num_blocks={blocks}", f"kv.block_size={block}", f"kv.prefix_caching={str(bool(prefix)).lower()}",
            "kv.memory_bytes=null", "frontend_delay_s=0.0", "request_timeout_s=null",
-           "metrics.percentile_method=linear", "backend=sim"]
+           "metrics.percentile_method=linear", "metrics.latency_from=receipt", "backend=sim"]
     if dp > 1:  # vLLM's front end sends each request to the DP engine with the fewest running and waiting
         out.append("router=least_outstanding")
     if e.get("max_model_len"):
@@ -392,17 +403,18 @@ def rows_markdown(rows: Sequence[Mapping[str, Any]], title: str) -> str:
 
 
 def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
-    """Where simulated and measured runs part: per-request queueing (first scheduled - arrival) and TTFT, the TTFT
-    of requests neither side queued, and the running / waiting counts each second against ``vllm_timeseries.csv``."""
+    """Where simulated and measured runs part: per-request queueing (first scheduled - receipt) and TTFT, the TTFT
+    of requests neither side queued, and the running / waiting counts each second against ``vllm_timeseries.csv``.
+    Both sides count from the engine's receipt (the simulation's: first token - its TTFT)."""
     from core.output import read_requests
 
     sim = read_requests(sim_dir)
     by_id = {str(i): k for k, i in enumerate(sim["id"].tolist())}
     idx = [by_id[r.id] for r in gt.requests]
-    arr = np.asarray(sim["arrival_s"])[idx]
-    sched, first, fin = (np.asarray(sim[c], dtype=float)[idx] for c in ("first_scheduled_s", "first_token_s",
-                                                                        "finish_s"))
-    m_arr = np.array([r.arrival_s for r in gt.requests])
+    sched, first, fin, ttft = (np.asarray(sim[c], dtype=float)[idx] for c in ("first_scheduled_s", "first_token_s",
+                                                                              "finish_s", "ttft_s"))
+    arr = first - ttft
+    m_arr = np.array([r.received_s for r in gt.requests])
     m_sched = np.array([r.scheduled_s for r in gt.requests])
     m_first = np.array([r.first_token_s for r in gt.requests])
     m_fin = np.array([r.last_token_s for r in gt.requests])

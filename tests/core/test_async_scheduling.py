@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.metrics import request_metrics
 from core.request import Request
 from policies.schedulers.vllm_v1 import VLLMv1Scheduler
 from tests.helpers import run_requests
@@ -19,6 +20,12 @@ def run(requests, on: bool, **limits):
     return {s.id: s for s in result.states}
 
 
+def run_stamped(requests, on: bool, stamp: bool = True):
+    result, _ = run_requests(requests, lambda: VLLMv1Scheduler(async_scheduling=on), step_time=lambda f: STEP,
+                             stamp_receipt=stamp)
+    return {s.id: s for s in result.states}
+
+
 def test_a_request_queued_during_a_step_joins_the_batch_after_next():
     reqs = [Request(id="a", arrival_s=0.0, prompt_len=8, max_new_tokens=6),
             Request(id="b", arrival_s=0.015, prompt_len=8, max_new_tokens=2)]
@@ -27,6 +34,26 @@ def test_a_request_queued_during_a_step_joins_the_batch_after_next():
     assert sync["b"].first_scheduled_s == pytest.approx(0.02) and sync["b"].first_token_s == pytest.approx(0.03)
     assert lag["b"].first_scheduled_s == pytest.approx(0.03) and lag["b"].first_token_s == pytest.approx(0.04)
     assert lag["a"].token_times == sync["a"].token_times  # the running request decodes every step either way
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_receipt_is_the_end_of_the_step_in_flight(on):
+    """metrics.latency_from=receipt: the loop takes a request in at its first scheduling pass (vLLM's queued_ts),
+    the end of the step running when it arrived, or its arrival at an idle replica; TTFT and E2E count from there.
+    b arrives in a's long decode (a fast-forward in the simulator), c at an idle replica."""
+    reqs = [Request(id="a", arrival_s=0.0, prompt_len=8, max_new_tokens=40),
+            Request(id="b", arrival_s=0.2351, prompt_len=8, max_new_tokens=3),
+            Request(id="c", arrival_s=5.0, prompt_len=8, max_new_tokens=2)]
+    stamped, plain = run_stamped(reqs, on), run_stamped(reqs, on, stamp=False)
+    assert stamped["a"].received_s == 0.0 and stamped["c"].received_s == 5.0
+    assert stamped["b"].received_s == pytest.approx(0.24)
+    b = stamped["b"]
+    assert request_metrics(b).ttft_s == pytest.approx(b.first_token_s - 0.24)
+    assert request_metrics(b).e2e_s == pytest.approx(b.finish_s - 0.24)
+    assert b.first_token_s == pytest.approx(0.26 if on else 0.25)  # async: behind the step the receipt found
+    assert all(s.received_s is None for s in plain.values())  # off by default: latencies from the arrival
+    assert request_metrics(plain["b"]).ttft_s == pytest.approx(b.first_token_s - 0.2351)
+    assert [s.token_times for s in plain.values()] == [s.token_times for s in stamped.values()]  # timing unchanged
 
 
 def test_an_idle_replica_schedules_at_once():

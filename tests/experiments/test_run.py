@@ -112,6 +112,7 @@ def test_plots_are_written(tmp_path):
     ("metrics.prompt_len_edges=[512,256]", r"metrics.prompt_len_edges=\[512, 256\]"),
     ("metrics.prefix_cost=[1]", r"metrics.prefix_cost=\[1.0\]"),
     ("metrics.percentile_method=mean", "metrics.percentile_method"),
+    ("metrics.latency_from=client", "metrics.latency_from"),
     ("output.progress=maybe", "output.progress='maybe'"),
     ("workload.warmup_requests=12", "workload.warmup_requests=12: not below workload.num_requests=12"),
     ("backend=engine", None),

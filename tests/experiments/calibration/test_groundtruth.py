@@ -53,19 +53,36 @@ def llama() -> ModelSpec:
 
 
 def test_the_reader_joins_requests_with_their_prompts_on_the_engine_clock():
+    """Client arrivals moved onto the engine's clock by the smallest receipt delay; receipt (queued_ts), first and
+    last token on that clock; TTFT by hand from the receipt, as the recording defines it."""
     gt = read_groundtruth(RUN)
     assert len(gt.requests) == 300 and gt.workload.name == "sharegpt-llama-3.1-8b-300-sps10.jsonl"
     arrivals = [r.arrival_s for r in gt.requests]
-    assert arrivals[0] == 0.0 and all(b >= a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    assert min(arrivals) == 0.0 and all(b >= a for a, b in zip(arrivals, arrivals[1:], strict=False))
     raw = raw_rows()
+    offset = min(r["queued_ts"] - r["arrival_time"] for r in raw)
+    t0 = min(r["arrival_time"] for r in raw) + offset
     r0, g0 = raw[5], gt.requests[5]
-    t0 = raw[0]["queued_ts"]
     assert g0.id == "bench-5" and len(g0.prompt_token_ids) == r0["input_toks"] == 399
-    # TTFT by hand: first token minus queued, both the engine's monotonic clock
-    assert g0.first_token_s - g0.arrival_s == pytest.approx(r0["first_token_ts"] - r0["queued_ts"], abs=1e-9)
-    assert g0.arrival_s == pytest.approx(r0["queued_ts"] - t0, abs=1e-9)
+    assert g0.arrival_s == pytest.approx(r0["arrival_time"] + offset - t0, abs=1e-6)
+    assert g0.received_s == pytest.approx(r0["queued_ts"] - t0, abs=1e-9)
+    delays = [r.received_s - r.arrival_s for r in gt.requests]
+    assert min(delays) == pytest.approx(0.0, abs=1e-6) and max(delays) < 0.2  # at most about a step in flight
+    assert g0.first_token_s - g0.received_s == pytest.approx(r0["first_token_ts"] - r0["queued_ts"], abs=1e-9)
     assert (g0.last_token_s - g0.first_token_s) / (g0.output_tokens - 1) == pytest.approx(
         (r0["last_token_ts"] - r0["first_token_ts"]) / (r0["output_toks"] - 1))
+
+
+def test_without_client_arrivals_the_receipts_are_the_arrivals(tmp_path):
+    import shutil
+
+    for f in RUN.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    shutil.copy(read_groundtruth(RUN).workload, tmp_path)
+    rows = [{k: v for k, v in r.items() if k != "arrival_time"} for r in raw_rows()]
+    (tmp_path / "vllm_requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gt = read_groundtruth(tmp_path)
+    assert all(r.arrival_s == r.received_s for r in gt.requests) and gt.requests[0].received_s == 0.0
 
 
 def test_llmservingsims_own_tree_reads_the_same(tmp_path):
@@ -179,7 +196,7 @@ def test_cuda_graphs_and_expert_parallelism_come_from_the_run():
 
 def test_the_development_case_is_predicted_from_the_profiles(tmp_path):
     """The 300-request RTX PRO 6000 run simulated with its own requests and settings (~3 s): TPOT within 2%, TTFT
-    p50 / p90 within 10% (-9.7% / -4.9% measured; without the eager steps' kernel launches -12.4% / -7.1%)."""
+    p50 / p90 within 10% (-9.9% / -4.8% measured; without the eager steps' kernel launches -12.4% / -7.1%)."""
     from experiments.calibration.compare import compare
 
     summary = compare(compare_cfg(), tmp_path)
@@ -192,9 +209,10 @@ def test_the_development_case_is_predicted_from_the_profiles(tmp_path):
     assert metrics["cost_model"]["beyond_grid"] == {} and metrics["num_completed"] == 300
     diag = json.loads((tmp_path / "diagnostics.json").read_text())
     assert diag["timeseries"]["running_recorded_vs_requests_mae"] < 1.0  # the timeseries shares the engine clock
-    # unqueued requests: vLLM's async scheduling puts them behind the step in flight (~20 ms without it, below)
+    # unqueued requests, both sides from the receipt: vLLM's async scheduling puts them behind the step the receipt
+    # found starting (~20 ms earlier without it, below); -6 ms left: the profiles' prefill is ~10% below the run's
     free = diag["unqueued"]
-    assert free["requests"] > 50 and abs(free["ttft_diff_p50_s"]) < 0.005
+    assert free["requests"] > 50 and abs(free["ttft_diff_p50_s"]) < 0.01
 
 
 def test_without_async_scheduling_unqueued_requests_start_a_step_early(tmp_path):
