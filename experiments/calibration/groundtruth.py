@@ -81,7 +81,7 @@ PEER_STATS = {"Mean": "mean", "Median": "p50", "P90": "p90", "P95": "p95", "P99"
 
 @dataclass(frozen=True)
 class MeasuredRequest:
-    """One request of the run, times in seconds from the first request's queued_ts (the engine's clock)."""
+    """One request of the run, times in seconds on the engine's clock from the first (client) arrival."""
 
     id: str
     arrival_s: float  # the client's arrival_time on the engine's clock (read_groundtruth), else queued_ts
