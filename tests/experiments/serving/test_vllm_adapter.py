@@ -33,8 +33,18 @@ from tests.helpers import wait_healthy
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 HERE = Path(__file__).resolve().parent
+
+
+def _vllm_has_hydra() -> bool:
+    """The adapter composes conf/ in vLLM's python: hydra-core must be installed there too (docs/serving.md)."""
+    probe = [str(VLLM_PY), "-c", "import hydra"]
+    return VLLM_PY.exists() and subprocess.run(probe, capture_output=True).returncode == 0
+
+
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not VLLM_PY.exists(), reason="vLLM for CPU not installed in .venv-vllm")]
+              pytest.mark.skipif(not VLLM_PY.exists(), reason="vLLM for CPU not installed in .venv-vllm"),
+              pytest.mark.skipif(VLLM_PY.exists() and not _vllm_has_hydra(),
+                                 reason="hydra-core not installed in .venv-vllm (pip install 'hydra-core>=1.3,<1.4')")]
 
 
 def vllm_run(script: str, job: dict, tmp_path: Path, *args: str, timeout: int = 1500) -> object:
