@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.stats import binom
 
 SIGMAS = 12  # the busiest group's expectation summed over mean ± 12 standard deviations (the rest is < 1e-30)
 
@@ -57,6 +56,8 @@ class MoELoad:
 
 def expected_max_binomial(n: int, p: float, k: int) -> float:
     """E[max of ``k`` independent Binomial(n, p)] = Σ_x (1 − F(x)^k), summed where F(x)^k is not yet 1."""
+    from scipy.stats import binom  # here, not at import: vLLM's python imports sim.cost (our schedulers inside vLLM)
+
     mean, sd = n * p, math.sqrt(n * p * (1 - p))
     lo, hi = max(0, int(mean - SIGMAS * sd)), min(n, int(math.ceil(mean + SIGMAS * sd)))
     x = np.arange(lo, hi + 1)

@@ -90,3 +90,22 @@ def test_refused_requests():
     assert refused_request(SimpleNamespace(use_structured_output=False, resumable=False,
                                            kv_transfer_params=None)) == ""
     assert "structured outputs" in refused_request(SimpleNamespace(use_structured_output=True))
+
+
+def test_the_plugin_imports_with_what_vllms_python_has():
+    """vLLM's venv has numpy, torch, omegaconf and (docs/serving.md) hydra-core, not the project's other
+    dependencies: choosing every shipped plugin must not import scipy, simpy, matplotlib or pandas (sim.cost once
+    did, through the MoE load's binomial, and the adapter failed to start)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "for name in ('scipy', 'simpy', 'matplotlib', 'pandas'):\n"
+            "    sys.modules[name] = None  # any import of them raises ImportError\n"
+            "from experiments.serving.vllm_adapter.plugin import choose\n"
+            "for s in ('vllm_v1', 'vllm_prefill_first', 'sarathi', 'orca', 'priority', 'lpm', 'static'):\n"
+            "    choose([f'scheduler={s}'])\n")
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
