@@ -404,8 +404,9 @@ def rows_markdown(rows: Sequence[Mapping[str, Any]], title: str) -> str:
 
 def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
     """Where simulated and measured runs part: per-request queueing (first scheduled - receipt) and TTFT, the TTFT
-    of requests neither side queued, and the running / waiting counts each second against ``vllm_timeseries.csv``.
-    Both sides count from the engine's receipt (the simulation's: first token - its TTFT)."""
+    of requests neither side queued, the running / waiting counts each second against ``vllm_timeseries.csv``, and
+    (``saturated_fit``) the saturated seconds' split into decode steps and prompt tokens on both sides. Both sides
+    count from the engine's receipt (the simulation's: first token - its TTFT)."""
     from core.output import read_requests
 
     sim = read_requests(sim_dir)
@@ -456,7 +457,36 @@ def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
                              "waiting_peak": {"measured": float(wait_s.max()), "sim": float(sim_wait.max())},
                              "saturated_s": {"measured": int(np.sum(run_s >= np.max(run_s))),
                                              "sim": int(np.sum(sim_run >= np.max(run_s)))}}
+        full = run_s >= np.max(run_s) - 2
+        if "gen_throughput" in rows[0] and "prompt_throughput" in rows[0] and np.sum(full) >= MIN_SATURATED_S:
+            from core.output import read_steps
+
+            steps = read_steps(sim_dir)
+            sec = np.floor(np.asarray(steps["start_s"], float) + np.asarray(steps["duration_s"], float))
+            gen = np.array([float(r["gen_throughput"]) for r in rows])
+            prompt = np.array([float(r["prompt_throughput"]) for r in rows])
+            # second k of the timeseries (t = k) sums the steps that ended in [k - 1, k)
+            sim_gen, sim_prompt = (np.array([np.sum(np.asarray(steps[c])[sec == x - 1]) for x in t])
+                                   for c in ("num_decode_seqs", "num_prefill_tokens"))
+            cap = float(np.max(run_s))
+            out["saturated_fit"] = {"seconds": int(np.sum(full)), "running": cap,
+                                    "measured": saturated_fit(gen[full], prompt[full], cap),
+                                    "sim": saturated_fit(sim_gen[full], sim_prompt[full], cap)}
     return out
+
+
+MIN_SATURATED_S = 5  # seconds at full occupancy below which saturated_fit is not attempted
+
+
+def saturated_fit(gen_tokens: np.ndarray, prompt_tokens: np.ndarray, running: float) -> dict[str, float]:
+    """Where the time of a saturated phase goes: each second (every seat taken, so a step yields ``running``
+    tokens) as 1 s = a x gen_tokens / running + b x prompt_tokens, least squares over the seconds. a is the step
+    time of the full decode batch, b what a prompt token joining it adds (its chunk's share of a mixed step). Read
+    from vLLM's per-second log it is coarse (whole steps a second), but the simulation's seconds binned the same way
+    compare like with like."""
+    design = np.column_stack([np.asarray(gen_tokens, float) / running, np.asarray(prompt_tokens, float)])
+    (a, b), *_ = np.linalg.lstsq(design, np.ones(len(design)), rcond=None)
+    return {"decode_step_s": float(a), "per_prompt_token_s": float(b)}
 
 
 def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:

@@ -213,6 +213,25 @@ def test_the_development_case_is_predicted_from_the_profiles(tmp_path):
     # found starting (~20 ms earlier without it, below); -6 ms left: the profiles' prefill is ~10% below the run's
     free = diag["unqueued"]
     assert free["requests"] > 50 and abs(free["ttft_diff_p50_s"]) < 0.01
+    # the saturated phase (128 running, 37 s): full decode steps agree (28.5 ms both); a prompt token joining one
+    # adds 44 us in vLLM's log, 51 us simulated
+    fit = diag["saturated_fit"]
+    assert fit["seconds"] > 30 and fit["running"] == 128
+    assert fit["sim"]["decode_step_s"] == pytest.approx(fit["measured"]["decode_step_s"], rel=0.02)
+    assert 1.0 < fit["sim"]["per_prompt_token_s"] / fit["measured"]["per_prompt_token_s"] < 1.3
+
+
+def test_the_saturated_fit_recovers_a_step_and_a_prompt_token_by_hand():
+    """1 s = a x gen / running + b x prompt, exactly, for seconds made from a = 30 ms, b = 40 us."""
+    import numpy as np
+
+    from experiments.calibration.groundtruth import saturated_fit
+
+    prompt = np.array([0.0, 2000.0, 5000.0, 800.0, 3000.0, 0.0])
+    steps = (1.0 - 40e-6 * prompt) / 0.030
+    fit = saturated_fit(steps * 128, prompt, 128)
+    assert fit["decode_step_s"] == pytest.approx(0.030, rel=1e-9)
+    assert fit["per_prompt_token_s"] == pytest.approx(40e-6, rel=1e-9)
 
 
 def test_without_async_scheduling_unqueued_requests_start_a_step_early(tmp_path):
