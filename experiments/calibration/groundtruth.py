@@ -522,6 +522,13 @@ def evaluate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     (out / "diagnostics.json").write_text(json.dumps(diag, indent=2) + "\n")
     log.info(f"ground truth {gt.directory}: {len(gt.requests)} requests; KV {how['kv_blocks']} blocks "
              f"({how['kv_blocks_how']}); cost model coverage {sim.get('cost_model')}")
+    fit = diag.get("saturated_fit")
+    if fit:
+        m, s = fit["measured"], fit["sim"]
+        log.info(f"saturated phase ({fit['seconds']} s at {fit['running']:.0f} running; diagnostics.json "
+                 f"saturated_fit), vLLM / sim: full decode step {1e3 * m['decode_step_s']:.1f} / "
+                 f"{1e3 * s['decode_step_s']:.1f} ms, a prompt token joining it {1e6 * m['per_prompt_token_s']:.0f}"
+                 f" / {1e6 * s['per_prompt_token_s']:.0f} us")
     return {"measured": {"source": str(gt.directory), "backend": "vllm (ground truth)", "settings": how},
             "calibration": {"path": None, "fitted_here": False}, "errors": rows, "errors_md": md,
             "in_band": band_summary(rows),
