@@ -462,11 +462,14 @@ def diagnostics(gt: GroundTruth, sim_dir: Path) -> dict[str, Any]:
             from core.output import read_steps
 
             steps = read_steps(sim_dir)
-            sec = np.floor(np.asarray(steps["start_s"], float) + np.asarray(steps["duration_s"], float))
+            ended = np.asarray(steps["start_s"], float) + np.asarray(steps["duration_s"], float)
+            sec = np.floor(ended).astype(np.int64)
             gen = np.array([float(r["gen_throughput"]) for r in rows])
             prompt = np.array([float(r["prompt_throughput"]) for r in rows])
             # second k of the timeseries (t = k) sums the steps that ended in [k - 1, k)
-            sim_gen, sim_prompt = (np.array([np.sum(np.asarray(steps[c])[sec == x - 1]) for x in t])
+            at = t.astype(np.int64) - 1
+            n = max(int(sec.max()), int(at.max())) + 1
+            sim_gen, sim_prompt = (np.bincount(sec, weights=np.asarray(steps[c], float), minlength=n)[at]
                                    for c in ("num_decode_seqs", "num_prefill_tokens"))
             cap = float(np.max(run_s))
             out["saturated_fit"] = {"seconds": int(np.sum(full)), "running": cap,
