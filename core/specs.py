@@ -233,10 +233,15 @@ class ModelSpec:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
-        cfg_file = Path(path) / "config.json"
+        """A checkpoint directory's config.json, or a config.json-style file on its own (``<name>.json``: the shapes
+        the simulator needs, named by its stem; the engine needs the directory's weights too)."""
+        p = Path(path)
+        cfg_file = p if p.suffix == ".json" else p / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
-        return cls.from_hf_config(json.loads(cfg_file.read_text()), name=Path(path).name, path=str(path))
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path}" if cfg_file != p
+                                    else f"no model config file {path}")
+        return cls.from_hf_config(json.loads(cfg_file.read_text()), name=p.stem if cfg_file == p else p.name,
+                                  path=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -26,7 +26,8 @@ and last token times are recorded: the measured run's intermediate token times a
 ITL is not compared.
 
 Engine settings of the simulation (``settings``): model and hardware from the run's model id and ``config.json``
-(``conf/model`` / ``conf/hardware`` options matched by name), ``tp`` from engine_kwargs (the cost model's too),
+(``conf/model`` / ``conf/hardware`` options matched by name; a model without an option: its config.json published
+beside the recordings, ``model_option``), ``tp`` from engine_kwargs (the cost model's too),
 ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` from engine_kwargs, block size 16 and prefix
 caching on (vLLM v1's defaults; ``kv_cache`` when recorded), the KV pool as recorded (``kv_cache.num_gpu_blocks``) or
 derived as vLLM sizes it (``derived_kv_blocks``), the scheduler and cost model of ``compare.groundtruth``
@@ -219,6 +220,23 @@ def option_named(group: str, name: str) -> str:
                      f"{[p.stem for p in options]}: add one (its name matched without case or punctuation)")
 
 
+def model_option(gt: GroundTruth, model_id: str) -> tuple[str, Path | None]:
+    """The ``model`` option for the run's model id: the ``conf/model`` option named like it, else ``checkpoint``
+    with the model's config.json as published beside the recordings (``None`` for a conf option): LLMServingSim's
+    checkout keeps them at ``configs/model/<org>/<name>.json``, shared/data at ``model-configs/<name>.json``, in a
+    folder above the run's."""
+    try:
+        return option_named("model", model_id.split("/")[-1]), None
+    except ValueError as missing:
+        name = model_id.split("/")[-1]
+        for parent in gt.directory.parents[:4]:
+            for path in (parent / "configs" / "model" / f"{model_id}.json", parent / "model-configs" / f"{name}.json"):
+                if path.is_file():
+                    return "checkpoint", path
+        raise ValueError(f"{missing}; nor is there a configs/model/{model_id}.json or model-configs/{name}.json in "
+                         f"the 4 folders above {gt.directory}") from None
+
+
 def derived_kv_blocks(model: ModelSpec, tp: int, device_bytes: float, utilization: float = 0.9,
                       reserved_bytes: float = VLLM_RESERVED_BYTES, block_size: int = VLLM_BLOCK_SIZE,
                       moe_ranks: int = 1) -> int:
@@ -327,8 +345,10 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     if not hardware:
         raise ValueError(f"{gt.directory}: no {CLUSTER} naming the run's hardware")
     tp = int(e.get("tensor_parallel_size") or gt.instance.get("tp_size") or 1)
-    model_opt, hw_opt = option_named("model", model_id.split("/")[-1]), option_named("hardware", hardware)
-    model = ModelSpec.from_config(conf_option("model", model_opt))
+    model_opt, model_over = model_option(gt, model_id)
+    hw_opt = option_named("hardware", hardware)
+    model = ModelSpec.from_config(conf_option("model", model_opt)) if model_over is None else \
+        ModelSpec.from_pretrained(model_over)
     dp, ep = data_parallel(gt, model, tp)
     hw_bytes = float(conf_option("hardware", hw_opt)["mem_bytes"])
     blocks, block, how = kv_pool(gt, model, tp, hw_bytes, float(g.get("kv_reserved_bytes", VLLM_RESERVED_BYTES)),
@@ -336,7 +356,8 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     kv = gt.meta.get("kv_cache") or {}
     prefix = kv.get("enable_prefix_caching", e.get("enable_prefix_caching", True))
     scheduler = str(g.get("scheduler", "vllm_v1"))
-    out = [f"model={model_opt}", f"hardware={hw_opt}", f"scheduler={scheduler}",
+    out = [f"model={model_opt}", *([f"model.path={model_over}"] if model_over else []), f"hardware={hw_opt}",
+           f"scheduler={scheduler}",
            f"cost_model={g.get('cost_model', 'profiled')}", f"parallel.tp={tp}", f"parallel.dp={dp}",
            f"parallel.ep={ep}",
            f"scheduler.max_num_seqs={int(e['max_num_seqs'])}",
@@ -353,8 +374,9 @@ def settings(gt: GroundTruth, cfg: DictConfig) -> tuple[list[str], dict[str, Any
     if g.get("cost_model", "profiled") == "profiled":
         out += cuda_graph_settings(gt)
     out += [str(o) for o in g.get("overrides") or ()]
-    return out, {"model": model_opt, "hardware": hw_opt, "tp": tp, "dp": dp, "ep": ep, "kv_blocks": blocks,
-                 "kv_blocks_how": how, "kv_tokens": blocks * block, "workload": str(gt.workload), "overrides": out}
+    return out, {"model": model.name if model_over else model_opt, "hardware": hw_opt, "tp": tp, "dp": dp,
+                 "ep": ep, "kv_blocks": blocks, "kv_blocks_how": how, "kv_tokens": blocks * block,
+                 "workload": str(gt.workload), "overrides": out}
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------

@@ -66,6 +66,21 @@ def test_model_yaml_has_the_config_json_shapes(yaml_name, config):
     assert spec == replace(from_hf(config), name=yaml_name, eos_token_ids=())
 
 
+def test_a_config_file_alone_is_a_model(tmp_path):
+    """``model.path`` may name a config.json-style file (the simulator needs only the shapes): the same spec as the
+    checkpoint directory holding it, named by the file's stem; a missing file is named."""
+    (tmp_path / "Qwen3-32B").mkdir()
+    (tmp_path / "Qwen3-32B" / "config.json").write_text((HF_CONFIGS / "Qwen3-32B.json").read_text())
+    from_dir = ModelSpec.from_pretrained(tmp_path / "Qwen3-32B")
+    from_file = ModelSpec.from_pretrained(HF_CONFIGS / "Qwen3-32B.json")
+    assert from_file.name == from_dir.name == "Qwen3-32B"
+    assert replace(from_file, path=None) == replace(from_dir, path=None)
+    with pytest.raises(FileNotFoundError, match="no model config file"):
+        ModelSpec.from_pretrained(tmp_path / "absent.json")
+    with pytest.raises(FileNotFoundError, match="no config.json in checkpoint directory"):
+        ModelSpec.from_pretrained(tmp_path)
+
+
 def test_nested_sections_round_trip_through_to_dict():
     spec = from_hf("DeepSeek-V2-Lite")
     assert isinstance(spec.to_dict()["moe"], dict) and ModelSpec.from_mapping(spec.to_dict()) == spec

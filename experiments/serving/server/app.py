@@ -90,6 +90,7 @@ class OpenAIServer:
         self.metrics: ServerMetrics | None = None
         self.draining = False
         self.live: set[str] = set()  # ids of requests being answered (event-loop thread only)
+        self.issued: set[str] = set()  # every request id handed to the loop (event-loop thread only)
         # parsing and tokenization run here, so a huge prompt stalls neither the event loop nor other streams
         self.parser = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
@@ -145,7 +146,7 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        rid = None  # set once this handler owns the id in ``live``
+        rid = owned = None  # owned: the client's id, once this handler holds it in ``live``
         try:
             if self.draining:
                 raise APIError("the server is shutting down", status=503, kind="service_unavailable")
@@ -154,8 +155,15 @@ class OpenAIServer:
             if given in self.live:  # checked before the request goes anywhere near the loop's stream table
                 raise APIError("X-Request-Id names a request still being answered; ids must be unique", 409,
                                param="X-Request-Id")
-            rid = given
-            self.live.add(rid)
+            # A finished request's id may come again (a benchmark rerun against a long-lived server): the run
+            # files then name this one ``<id>#<n>``, so every record stays unique and still pairs with the client.
+            rid, n = given, 0
+            while rid in self.issued:
+                n += 1
+                rid = f"{given}#{n}"
+            self.issued.add(rid)
+            owned = given
+            self.live.add(owned)
             gen = await self._parse(request, chat)
             snap = self.bridge.snapshot
             if snap.num_waiting + self.bridge.pending >= self.settings.max_waiting:
@@ -171,16 +179,16 @@ class OpenAIServer:
             if stream.state.status is Status.REJECTED:
                 raise APIError(f"request rejected: {stream.state.reason}")
         except APIError as e:
-            self.live.discard(rid)
+            self.live.discard(owned)
             return web.json_response(e.body(), status=e.status)
         except ValueError as e:  # a request id used before
-            self.live.discard(rid)
+            self.live.discard(owned)
             return web.json_response(APIError(str(e), param="X-Request-Id").body(), status=400)
         except RuntimeError as e:  # the loop has failed or stopped
-            self.live.discard(rid)
+            self.live.discard(owned)
             return web.json_response(APIError(str(e), 503, kind="service_unavailable").body(), status=503)
         except BaseException:  # cancelled (client gone) while parsing or queued
-            self.live.discard(rid)
+            self.live.discard(owned)
             raise
         ended = False
         try:
@@ -191,7 +199,7 @@ class OpenAIServer:
             ended = True
             return response
         finally:
-            self.live.discard(rid)
+            self.live.discard(owned)
             if not ended:  # client gone (write failed or handler cancelled), or an error: free the KV now
                 self.bridge.abort(stream.request.id, "client disconnected")
 

@@ -194,6 +194,36 @@ def test_cuda_graphs_and_expert_parallelism_come_from_the_run():
                  compare_cfg())
 
 
+def test_a_model_without_a_conf_option_comes_from_the_published_config(tmp_path, monkeypatch):
+    """A recording of a model conf/model does not name (Llama-3.1-70B here) takes the config.json published beside
+    the recordings (shared/data's model-configs/); with the option hidden, the development case simulates exactly as
+    with it (same shapes: the same metrics to the byte)."""
+    from experiments.calibration import groundtruth
+    from experiments.calibration.compare import compare
+
+    gt = read_groundtruth(RUN)
+    big = dataclasses.replace(gt, meta={**gt.meta, "engine_kwargs": {**gt.engine, "model": "meta-llama/Llama-3.1-70B"}})
+    overrides, how = settings(big, compare_cfg())
+    assert "model=checkpoint" in overrides and how["model"] == "Llama-3.1-70B"
+    path = Path(next(o for o in overrides if o.startswith("model.path="))[len("model.path="):])
+    assert path.name == "Llama-3.1-70B.json" and ModelSpec.from_pretrained(path).num_layers == 80
+    with pytest.raises(ValueError, match="nor is there a configs/model/acme/Unknown-1B.json"):
+        settings(dataclasses.replace(gt, meta={**gt.meta, "engine_kwargs": {**gt.engine, "model": "acme/Unknown-1B"}}),
+                 compare_cfg())
+    compare(compare_cfg(), tmp_path / "option")
+    named = groundtruth.option_named
+
+    def no_model_options(group: str, name: str) -> str:
+        if group == "model":
+            raise ValueError(f"no conf/model option named like {name!r}")
+        return named(group, name)
+
+    monkeypatch.setattr(groundtruth, "option_named", no_model_options)
+    compare(compare_cfg(), tmp_path / "file")
+    assert (tmp_path / "option" / "sim" / "requests.csv").read_bytes() == \
+        (tmp_path / "file" / "sim" / "requests.csv").read_bytes()
+
+
 def test_the_development_case_is_predicted_from_the_profiles(tmp_path):
     """The 300-request RTX PRO 6000 run simulated with its own requests and settings (~3 s): TPOT within 2%, TTFT
     p50 / p90 within 10% (-9.9% / -4.8% measured; without the eager steps' kernel launches -12.4% / -7.1%)."""

@@ -211,6 +211,16 @@ def test_a_live_duplicate_id_is_refused_and_the_first_stream_runs_to_its_end(ser
     assert status == 400 and json.loads(answer)["error"]["param"] == "X-Request-Id"
 
 
+def test_a_finished_requests_id_may_come_again(server, ckpt):
+    """A benchmark rerun against a long-lived server reuses its ids once the first run has ended: served again, the
+    answer carries the id the run files give it (``<id>#<n>``), so no two records share one."""
+    body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 3, "ignore_eos": True}).encode()
+    answers = [post(server.url, "/v1/completions", body, {"X-Request-Id": b"again"}) for _ in range(3)]
+    assert [status for status, _ in answers] == [200, 200, 200], answers
+    assert [json.loads(a)["id"] for _, a in answers] == ["again", "again#1", "again#2"]
+    assert len({json.loads(a)["choices"][0]["text"] for _, a in answers}) == 1  # greedy: the same answer
+
+
 def test_a_10_mb_prompt_does_not_stall_another_stream(server):
     """A stream's token gaps while a 10 MB text prompt is read, parsed and tokenized (then refused: it is far
     over the context): the largest gap stays bounded."""
