@@ -17,14 +17,13 @@ from experiments.build import CONF_DIR, build_executors, build_replicas
 from experiments.config import RunConfig, shared_data
 from sim.cost.base import decode_features
 from sim.cost.moe import MoELoad
-from sim.cost.profiled import (
+from sim.cost.profile_tables import (
     ABOVE,
     BELOW,
     GRID,
     AttentionPoint,
     AttentionTable,
     Curve,
-    OperatorProfileCostModel,
     activated_experts,
     attention_held_out,
     curve_held_out,
@@ -33,6 +32,7 @@ from sim.cost.profiled import (
     held_out_errors,
     load_tables,
 )
+from sim.cost.profiled import OperatorProfileCostModel
 
 try:
     ROOT = shared_data("gpu-measurements", "llmservingsim")
