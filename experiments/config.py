@@ -123,6 +123,9 @@ class ParallelConfig:
         moe = model.moe
         if self.ep > 1 and moe is None:
             raise ValueError(f"parallel.ep={self.ep}: model {model.name} has no experts (a dense model: ep=1)")
+        if self.dp > 1 and moe is None:  # the lockstep ranks meet only at MoE layers; vLLM runs dense ones apart
+            raise ValueError(f"parallel.dp={self.dp}: model {model.name} has no experts, so its attention "
+                             f"data-parallel ranks never meet: use replicas (e.g. replicas={self.dp}) with dp=1")
         if moe is not None and moe.num_experts % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide the model's {moe.num_experts} experts")
 

@@ -113,3 +113,7 @@ def test_parallel_is_checked_against_the_model():
         RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=4"))
     moe = RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=2"))
     assert moe.parallel.ep == 2
+    with pytest.raises(ValueError, match=r"parallel.dp=2: model llama3_8b has no experts.*replicas=2"):
+        RunConfig.from_config(composed("model=llama3_8b", "hardware=h100", "parallel.dp=2"))
+    dp = RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.dp=2", "parallel.ep=1"))
+    assert dp.parallel.devices == 2  # an MoE model's ranks meet at its experts, expert-parallel or not
