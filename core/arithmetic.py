@@ -351,12 +351,14 @@ def weight_bytes_per_device(m: ModelSpec, weight_bits: int = 16, group_size: int
     """Weights one device of a stage holds: the stage's ``layers`` (default all) split over ``tp`` (routed experts
     over the ``moe_ranks`` = tp x dp devices of the MoE layers, whatever the expert-parallel degree: ep groups of
     experts, each sharded over tp x dp / ep devices), the embedding on the ``first`` stage and the LM head on the
-    ``last``, vocabulary-parallel over tp; norms replicated."""
+    ``last``, vocabulary-parallel over tp; norms replicated. Tied embeddings share one table only when the first
+    stage is also the last: with pp > 1 the last stage keeps its own copy for the LM head, as vLLM's models do."""
     layers = range(m.num_layers) if layers is None else layers
     routed = sum(m.moe.num_experts * expert_params(m) for i in layers if is_moe_layer(m, i))
     dense = sum(linear_params_per_layer(m, i) for i in layers) - routed
     rest = sum(params_per_layer(m, i) - linear_params_per_layer(m, i) for i in layers)  # router, norms, biases
-    vocab = embedding_params(m) * ((1 if first else 0) + (1 if last and not m.tie_word_embeddings else 0))
+    own_head = last and not (m.tie_word_embeddings and first)  # a tied table is the head only on its own stage
+    vocab = embedding_params(m) * ((1 if first else 0) + (1 if own_head else 0))
     return (stored_bytes(m, dense, weight_bits, group_size) / tp
             + stored_bytes(m, routed, weight_bits, group_size) / max(tp, moe_ranks)
             + (rest + vocab / tp + (m.hidden_size if last else 0)) * act_bytes(m))

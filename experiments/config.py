@@ -123,6 +123,9 @@ class ParallelConfig:
         moe = model.moe
         if self.ep > 1 and moe is None:
             raise ValueError(f"parallel.ep={self.ep}: model {model.name} has no experts (a dense model: ep=1)")
+        if self.dp > 1 and moe is None:  # the lockstep ranks meet only at MoE layers; vLLM runs dense ones apart
+            raise ValueError(f"parallel.dp={self.dp}: model {model.name} has no experts, so its attention "
+                             f"data-parallel ranks never meet: use replicas (e.g. replicas={self.dp}) with dp=1")
         if moe is not None and moe.num_experts % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide the model's {moe.num_experts} experts")
 
@@ -466,9 +469,13 @@ def num_kv_blocks(kv: KVConfig, quant: QuantSpec, model: ModelSpec, hardware: Ha
         key = f"kv.memory_fraction={kv.memory_fraction!r}"
         if min(budgets) <= 0:
             where = "" if par.devices == 1 else f" per device with {par}"
+            # weights beyond the whole device: no memory fraction helps, only a wider split or fewer bits
+            fix = "raise it, or set kv.num_blocks or kv.memory_bytes" if max(weights) < hardware.mem_bytes else \
+                f"more than the device's {hardware.mem_bytes / 1e9:.3g} GB: raise parallel.tp or parallel.pp (an MoE " \
+                "model: parallel.dp splits its experts), or lower quant.weight_bits"
             raise ValueError(f"{key}: model {model.name} ({max(weights) / 1e9:.3g} GB of weights{where} in "
                              f"{model.dtype}) does not fit hardware.mem_bytes x kv.memory_fraction "
-                             f"({usable / 1e9:.3g} GB); raise it, or set kv.num_blocks or kv.memory_bytes")
+                             f"({usable / 1e9:.3g} GB); {fix}")
     blocks = min(max(0, int(b // p)) for b, p in zip(budgets, per_block, strict=True))
     if blocks < 1:
         raise ValueError(f"{key} leaves {min(budgets):.3g} bytes of KV, which holds no block of "

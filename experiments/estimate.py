@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,7 +88,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     and int8 KV's float32 scales, so ``kv_capacity_gain`` of int8 KV is 2·Dh / (Dh + 4), not 2. ``active_params``:
     the parameters one token uses (a mixture of experts' top_k routed experts, not all of them). The step rows
     are one tensor-parallel replica's; ``parallel`` (``deployment_split``) is what each device of a tp x pp x dp
-    (x ep) deployment holds.
+    (x ep) deployment holds, and ``memory`` (the KV budget, the sequences of ``context`` tokens one dp rank holds,
+    whether the weights fit) is its fullest stage's.
     """
     if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ValueError(f"estimate.batch_sizes={batch_sizes!r}; allowed: a non-empty list of integers >= 1")
@@ -105,13 +107,21 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     base16 = est.replace(weight_bits=16) if weight_bits < 16 else None
 
     weights = ar.weight_bytes(m, weight_bits, group_size)
-    budget = memory_fraction * hw.mem_bytes - weights / tp
-    seqs = ar.max_concurrent_seqs(m, budget, context, kv_bits, tp)
+    split = deployment_split(m, hw, ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep), weight_bits=weight_bits,
+                             kv_bits=kv_bits, group_size=group_size, memory_fraction=memory_fraction,
+                             block_size=block_size)
+    # what the devices of the deployment hold (pp stages, dp ranks' experts): the fullest stage bounds a dp rank
+    budget = min(st["kv_budget_bytes"] for st in split["stages"])
+
+    def seqs_of(bits: int) -> int:
+        return min(max(0, math.floor(st["kv_budget_bytes"] / (context * ar.kv_bytes_per_token_of_stage(
+            m, bits, tp, range(*st["layers"]))))) for st in split["stages"])
+
+    seqs = seqs_of(kv_bits)
     memory: dict[str, Any] = {"memory_fraction": memory_fraction, "context": context, "kv_budget_bytes": budget,
                               "weights_fit": budget > 0, "max_concurrent_seqs": seqs}
     if kv_bits < 16:  # the token capacity ratio (int8 scales included), not the ratio of rounded sequence counts
-        memory |= {"max_concurrent_seqs_kv16": ar.max_concurrent_seqs(m, budget, context, 16, tp),
-                   "kv_capacity_gain": ar.kv_capacity_gain(m, kv_bits)}
+        memory |= {"max_concurrent_seqs_kv16": seqs_of(16), "kv_capacity_gain": ar.kv_capacity_gain(m, kv_bits)}
 
     decode = []
     for b in batch_sizes:
@@ -130,9 +140,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
         "ridge_point": hw.peak_flops / hw.mem_bw, "memory": memory,
         "prefill": {"tokens": prefill_len, **_step(lower, est, prefill_features(prefill_len), prefill_len)},
         "decode": decode,
-        "parallel": deployment_split(m, hw, ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep), weight_bits=weight_bits,
-                                     kv_bits=kv_bits, group_size=group_size, memory_fraction=memory_fraction,
-                                     block_size=block_size),
+        "parallel": split,
     }
 
 

@@ -113,3 +113,17 @@ def test_parallel_is_checked_against_the_model():
         RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=4"))
     moe = RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=2"))
     assert moe.parallel.ep == 2
+    with pytest.raises(ValueError, match=r"parallel.dp=2: model llama3_8b has no experts.*replicas=2"):
+        RunConfig.from_config(composed("model=llama3_8b", "hardware=h100", "parallel.dp=2"))
+    dp = RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.dp=2", "parallel.ep=1"))
+    assert dp.parallel.devices == 2  # an MoE model's ranks meet at its experts, expert-parallel or not
+
+
+def test_weights_beyond_the_device_ask_for_a_wider_split():
+    """Llama-3-70B (2 x 70.55e9 bytes) at tp 2 holds ~70.6 GB a device: below an H100's 80 GB, so a larger memory
+    fraction helps; at tp 1 (~141 GB) none does, and the message names the split and quantisation keys instead."""
+    with pytest.raises(ValueError, match=r"70.6 GB of weights per device.*\(64 GB\); raise it, or set kv.num_blocks"):
+        RunConfig.from_config(composed("model=llama3_70b", "hardware=h100", "parallel.tp=2", "kv.memory_fraction=0.8"))
+    with pytest.raises(ValueError, match=r"141 GB of weights.*more than the device's 80 GB: raise parallel.tp or "
+                                         r"parallel.pp .*quant.weight_bits"):
+        RunConfig.from_config(composed("model=llama3_70b", "hardware=h100"))

@@ -143,6 +143,33 @@ def test_pipeline_split_per_device_by_hand():
     assert "deployment" not in format_table(estimate(LLAMA3_8B, H100))  # one device: no split
 
 
+def test_memory_line_is_the_deployments_fullest_stage():
+    """Llama-2-70B at tp 2 x pp 2 on 80 GB: a device of the last stage holds 40 layers of 855,638,016 linear
+    parameters and 2 x 8192 norm weights (half per device), half the LM head and the final norm, and 40 layers x
+    2 x 4 KV heads x 128 x 2 bytes of KV per token; one device holding all 80 layers at tp 2 would leave ~3 GB."""
+    mem = estimate(LLAMA2_70B, H100, tp=2, pp=2, context=2048)["memory"]
+    last = 2 * (40 * 855_638_016 // 2 + 40 * 16384) + 2 * 32000 * 8192 // 2 + 2 * 8192
+    assert last == 34_488_991_744 and mem["kv_budget_bytes"] == 72e9 - last
+    assert mem["max_concurrent_seqs"] == (72e9 - last) // (2048 * 40 * 2 * 4 * 128 * 2) == 223
+    assert estimate(LLAMA2_70B, H100, pp=2)["memory"]["weights_fit"]  # ~69 GB a stage, not 138 GB
+    assert not estimate(LLAMA2_70B, H100)["memory"]["weights_fit"]
+
+
+def test_tied_embeddings_under_pipeline_by_hand():
+    """Llama-3.2-1B (tied embeddings) at tp 2 x pp 2: the first stage holds half the table as its embedding, and the
+    last half a copy of it as its LM head (vLLM's last rank builds the table again); 8 layers of 60,817,408 linear
+    parameters and 2 x 2048 norm weights each, split per device, and the final norm on the last stage. One stage
+    only (pp 1) keeps the one shared table."""
+    m = ModelSpec("llama3_2_1b", 16, 2048, 32, 8, 64, 8192, 128256, tie_word_embeddings=True)
+    s0, s1 = estimate(m, H100, tp=2, pp=2)["parallel"]["stages"]
+    layers = 2 * (8 * 60_817_408 // 2 + 8 * 4096)
+    half_vocab = 2 * 128256 * 2048 // 2
+    assert s0["weight_bytes_per_device"] == layers + half_vocab == 749_273_088
+    assert s1["weight_bytes_per_device"] == layers + half_vocab + 2 * 2048 == 749_277_184
+    whole = estimate(m, H100)["parallel"]["stages"][0]["weight_bytes_per_device"]
+    assert whole == estimate(m, H100)["weight_bytes"] == 2 * (16 * (60_817_408 + 4096) + 128256 * 2048 + 2048)
+
+
 def test_data_parallel_experts_split_by_hand():
     """Qwen3-30B-A3B at dp 2 x ep 2: each device keeps the attention and routers whole and half of the 48 layers x
     128 experts x 3 x 2048 x 768 routed parameters (64 experts per ep group, each on one device); two pools."""

@@ -16,6 +16,7 @@ def test_candidates_use_exactly_the_gpus():
     got = candidates(LLAMA3_8B, 4, tps=(1, 2, 4), pps=(1, 2))
     assert {d.label for d in got} == {"4x_tp1", "2x_tp1_pp2", "2x_tp2", "1x_tp2_pp2", "1x_tp4"}
     assert all(d.devices == 4 for d in got)
+    assert candidates(LLAMA3_8B, 4, tps=(1,), pps=(1,), dps=(1, 2, 4)) == [Deployment(4)]  # dense: replicas, no dp
     moe = ModelSpec.from_config(conf_option("model", "qwen3_30b_a3b"))
     labels = {d.label for d in candidates(moe, 4, tps=(1, 2), pps=(1,), dps=(1, 2))}
     assert {"2x_tp2", "2x_tp2_ep2", "2x_tp1_dp2", "2x_tp1_dp2_ep2", "1x_tp2_dp2_ep4"} <= labels
