@@ -104,6 +104,22 @@ def attention_params_per_layer(m: ModelSpec) -> int:
         + h * a.v_head_dim * d
 
 
+def attention_params_per_device(m: ModelSpec, tp: int = 1) -> float:
+    """Attention weight matrices one of ``tp`` tensor-parallel devices holds: 1/tp of the head-sharded ones, plus
+    what vLLM keeps whole on every device: MLA's down-projections (q_a and kv_a with the RoPE key: no head axis to
+    split), and with tp > Hkv the K / V projections of the KV heads each device replicates."""
+    whole = attention_params_per_layer(m)
+    if tp == 1:
+        return float(whole)
+    d = m.hidden_size
+    if m.mla is not None:
+        a = m.mla
+        down = d * (a.kv_lora_rank + a.qk_rope_head_dim) + (d * a.q_lora_rank if a.q_lora_rank else 0)
+        return down + (whole - down) / tp
+    kv = 2 * d * m.head_dim * m.num_kv_heads
+    return (whole - kv) / tp + 2 * d * m.head_dim * kv_heads_per_device(m, tp)
+
+
 def ffn_width(m: ModelSpec, layer: int | None = None, active: bool = False) -> int:
     """The summed intermediate width of a layer's SwiGLU FFNs: the dense MLP's, or an MoE layer's routed experts
     (all of them; the top_k one token runs with ``active``) and shared experts."""
@@ -355,7 +371,9 @@ def weight_bytes_per_device(m: ModelSpec, weight_bits: int = 16, group_size: int
     stage is also the last: with pp > 1 the last stage keeps its own copy for the LM head, as vLLM's models do."""
     layers = range(m.num_layers) if layers is None else layers
     routed = sum(m.moe.num_experts * expert_params(m) for i in layers if is_moe_layer(m, i))
-    dense = sum(linear_params_per_layer(m, i) for i in layers) - routed
+    # tp x (what one device holds) of the attention, so that / tp below is per device (replicated parts whole)
+    attention = len(layers) * (tp * attention_params_per_device(m, tp) - attention_params_per_layer(m))
+    dense = sum(linear_params_per_layer(m, i) for i in layers) - routed + attention
     rest = sum(params_per_layer(m, i) - linear_params_per_layer(m, i) for i in layers)  # router, norms, biases
     own_head = last and not (m.tie_word_embeddings and first)  # a tied table is the head only on its own stage
     vocab = embedding_params(m) * ((1 if first else 0) + (1 if own_head else 0))

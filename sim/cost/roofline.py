@@ -154,9 +154,11 @@ class RooflineCostModel:
         m, tp, wb, gs = self.model, self.tp, self.weight_bits, self.group_size
         moe_layers = [i for i in layers if ar.is_moe_layer(m, i)]
         shared = m.moe.num_shared_experts * ar.expert_params(m) if m.moe else 0
-        # per layer: attention + the dense MLP, or in an MoE layer its shared experts (the routed ones: ``moe``)
-        dense = sum(ar.attention_params_per_layer(m) + shared if ar.is_moe_layer(m, i)
-                    else ar.linear_params_per_layer(m, i) for i in layers)
+        # per layer: attention + the dense MLP, or in an MoE layer its shared experts (the routed ones: ``moe``);
+        # the attention as tp x what one device holds (vLLM keeps some of it whole on every device), so / tp holds
+        attention = tp * ar.attention_params_per_device(m, tp)
+        dense = sum(attention + (shared if ar.is_moe_layer(m, i) else ar.mlp_params_per_layer(m, i))
+                    for i in layers)
         routers = sum(ar.router_params(m, i) for i in layers)
         shard = max(1, tp * self.dp // self.ep)  # devices one expert is split over
         expert_bytes = ar.stored_bytes(m, ar.expert_params(m), wb, gs) / shard if m.moe else 0.0

@@ -333,3 +333,19 @@ def test_weight_bytes_shrink_with_bits(layers, kv, groups, dh, ffn, vocab, tied)
     w16, w8, w4 = (ar.weight_bytes(m, b) for b in (16, 8, 4))
     assert w4 < w8 < w16
     assert w16 - w4 == pytest.approx(ar.quantised_params(m) * (2 - 0.5 - 4 / 128))
+
+
+def test_what_vllm_keeps_whole_on_every_tensor_parallel_device_by_hand():
+    """MLA's down-projections have no head axis (DeepSeek-V2-Lite: kv_a 2048 x (512 + 64) = 1,179,648 weights, no q
+    bottleneck) and stay whole; the rest, 13,762,560 - 1,179,648, splits. With tp > Hkv (Llama-3-70B, 8 KV heads,
+    tp 16) each device replicates one KV head's K / V projections: 2 x 8192 x 128 instead of 1/16 of 8 heads'."""
+    lite = from_hf("DeepSeek-V2-Lite")
+    assert ar.attention_params_per_layer(lite) == 13_762_560
+    assert ar.attention_params_per_device(lite, 2) == 1_179_648 + (13_762_560 - 1_179_648) / 2
+    llama = ModelSpec("llama3_70b", 80, 8192, 64, 8, 128, 28672, 128256)
+    assert ar.attention_params_per_device(llama, 8) == ar.attention_params_per_layer(llama) / 8 == 18_874_368
+    assert ar.attention_params_per_device(llama, 16) == (150_994_944 - 16_777_216) / 16 + 2 * 8192 * 128
+    # beyond 1/16 of the whole: each layer's replicated KV head (bf16), and the norms (2 a layer + the final one),
+    # which every device keeps whole
+    extra = ar.weight_bytes_per_device(llama, tp=16) - ar.weight_bytes(llama) / 16
+    assert extra == 80 * 2 * (2 * 8192 * 128 - 2 * 8192 * 1024 / 16) + (80 * 2 + 1) * 8192 * 2 * 15 / 16
