@@ -113,3 +113,11 @@ def test_parallel_is_checked_against_the_model():
         RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=4"))
     moe = RunConfig.from_config(composed("model=qwen3_30b_a3b", "hardware=h100", "parallel.tp=2", "parallel.ep=2"))
     assert moe.parallel.ep == 2
+
+
+@pytest.mark.parametrize("seed", ["abc", "-1", "1.5"])
+def test_a_bad_seed_is_named_as_seed(seed):
+    """backend.noise_seed defaults to ${seed}: the error must name the key the user set, not a bare int() error
+    or the derived key."""
+    with pytest.raises(ValueError, match=r"^seed=('abc'|-1|1\.5); allowed: an integer >= 0$"):
+        RunConfig.from_config(composed(f"seed={seed}"))
