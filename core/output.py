@@ -438,7 +438,13 @@ def _read_csv_python(path: str | Path, str_columns: Sequence[str] = _STR_COLUMNS
         header = next(reader, None)
         if header is None:
             raise ValueError(f"{path}: empty file (no header)")
-        rows = list(reader)
+        rows = []
+        for row in reader:
+            if row and len(row) != len(header):  # a blank line is skipped, as pyarrow does
+                raise ValueError(f"{path}:{reader.line_num}: {len(row)} values but the header has {len(header)} "
+                                 "columns (a truncated or edited file)")
+            if row:
+                rows.append(row)
     cols: dict[str, np.ndarray] = {}
     for j, name in enumerate(header):
         cells = [row[j] for row in rows]
@@ -597,6 +603,10 @@ def read_step_features(path: str | Path) -> tuple[list[StepFeatures], np.ndarray
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; expected {StepRecord.columns()}")
         for line, row in enumerate(reader, start=2):
+            short = [k for k, v in row.items() if v is None and k is not None]  # would read as 0 below
+            if short or None in row:
+                what = f"no value for {short}" if short else f"{len(row[None])} values more than the header has"
+                raise ValueError(f"{path}:{reader.line_num}: {what} (a truncated or edited file)")
             try:
                 features.append(StepFeatures(**{k: int(row.get(k) or 0) for k in names}))
                 durations.append(float(row["duration_s"]))

@@ -337,9 +337,10 @@ class RunConfig:
     @classmethod
     def from_config(cls, cfg: DictConfig) -> RunConfig:
         backend = check_choice(cfg.backend.get("name"), "backend.name", BACKENDS)
+        seed = check_int(cfg.get("seed", 0), "seed", 0)  # first: backend.noise_seed defaults to it
         options = plain(cfg.backend)
         engine = EngineOptions.from_mapping(options) if backend == "engine" else None
-        sim = _record(SimOptions, "backend", {"noise_seed": int(cfg.get("seed", 0)), **options}) \
+        sim = _record(SimOptions, "backend", {"noise_seed": seed, **options}) \
             if backend == "sim" else None
         quant = _record(QuantSpec, "quant", cfg.get("quant"))
         hardware = HardwareSpec.from_mapping(plain(cfg.hardware))
@@ -361,7 +362,7 @@ class RunConfig:
             speculation=SpeculationConfig.from_config(cfg.get("spec"), model),
             output=_record(OutputConfig, "output", cfg.get("output")),
             metrics=_record(MetricsConfig, "metrics", cfg.get("metrics")),
-            seed=check_int(cfg.get("seed", 0), "seed", 0),
+            seed=seed,
             engine_clock=resolve_engine_clock(cfg.get("engine_clock", "auto"), engine, parallel.tp),
             frontend_delay_s=None if cfg.get("frontend_delay_s") is None
             else check_float(cfg.frontend_delay_s, "frontend_delay_s"),

@@ -105,9 +105,12 @@ def read_column(path: Any, column: Any, key: str) -> np.ndarray:
         out = []
         for line, row in enumerate(reader, start=2):
             try:
-                v = int(float(row[j]))
-            except (IndexError, ValueError):
-                raise ValueError(f"{file}:{line}: field {column!r}: not a number: {row[j:j + 1]}") from None
+                x = float(row[j])
+                v = int(x)  # inf: OverflowError, nan: ValueError
+            except (IndexError, ValueError, OverflowError):
+                raise ValueError(f"{file}:{line}: field {column!r}: not a finite number: {row[j:j + 1]}") from None
+            if v != x:
+                raise ValueError(f"{file}:{line}: field {column!r}: not a whole number of tokens: {row[j]!r}")
             if v < 0:
                 raise ValueError(f"{file}:{line}: field {column!r}: negative length {v}")
             out.append(v)

@@ -179,13 +179,25 @@ def _json_lines(file: Path, limit: int | None) -> Iterator[_Line]:
 
 
 def _csv_lines(file: Path, limit: int | None, required: tuple[str, ...]) -> Iterator[_Line]:
+    """CSV rows as fields by header name. A header naming a column twice, or a row with more values than the
+    header has columns (an unquoted comma), fails: either would otherwise drop values without a word."""
     reader = csv.DictReader(_text_lines(file))
-    missing = [c for c in required if c not in (reader.fieldnames or [])]
+    header = reader.fieldnames
+    if header is None:
+        raise ValueError(f"{file}:1: empty file: a CSV trace needs a header row with {list(required)}")
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if twice:
+        raise ValueError(f"{file}:1: column(s) {twice} named more than once; header: {header}")
+    missing = [c for c in required if c not in header]
     if missing:
-        raise ValueError(f"{file}:1: missing column(s) {missing}; header: {reader.fieldnames}")
+        raise ValueError(f"{file}:1: missing column(s) {missing}; header: {header}")
     for n, row in enumerate(reader):
         if limit is not None and n >= limit:
             return
+        extra = row.get(None)
+        if extra:
+            raise ValueError(f"{file}:{reader.line_num}: {len(header) + len(extra)} values but the header has "
+                             f"{len(header)} columns (extra: {extra}); quote a value that holds a comma")
         yield _Line(file, reader.line_num, row, text_values=True)
 
 

@@ -128,6 +128,20 @@ def _error_reason(err: str) -> str:
     return (lines[-1] if lines else str(err))[:300]
 
 
+def _load_bench_serve(path: str | Path) -> dict[str, Any]:
+    """A bench serve result file, refused naming the file when it is not JSON, not an object, or not detailed."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a vLLM bench serve result ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a vLLM bench serve result (a JSON {type(data).__name__}, not an object)")
+    missing = [k for k in DETAIL_KEYS if k not in data]
+    if missing:
+        raise ValueError(f"{path}: no {missing}; save the vLLM result with --save-result --save-detailed")
+    return data
+
+
 def read_bench_serve(source: str | Path | Mapping[str, Any]) -> list[RequestState]:
     """A vLLM ``bench serve --save-result --save-detailed`` JSON (a path or the loaded dict) as RequestStates.
 
@@ -138,7 +152,7 @@ def read_bench_serve(source: str | Path | Mapping[str, Any]) -> list[RequestStat
     ``output_lens`` tokens spread over the chunks by ``apportion`` (vLLM does not record tokens per chunk), finish at
     start + ``latencies[i]`` (else the last chunk). Any other request is TIMED_OUT when its error names a timeout,
     else REJECTED, with the error's last line as reason and no tokens (vLLM keeps none for failures)."""
-    data = json.loads(Path(source).read_text()) if not isinstance(source, Mapping) else source
+    data = _load_bench_serve(source) if not isinstance(source, Mapping) else source
     missing = [k for k in DETAIL_KEYS if k not in data]
     if missing:
         raise ValueError(f"{source if not isinstance(source, Mapping) else 'bench serve result'}: no {missing}; "
@@ -185,7 +199,7 @@ def bench_serve_to_run(source: str | Path, out_dir: str | Path, summarize_option
     metrics.json; no steps.csv) and return its metrics. ``summarize_options`` are ``core.metrics.summarize``'s
     keyword arguments (``experiments.build.metrics_options(cfg, spec)`` gives a config's SLO and percentile
     settings). metrics.json also records the source file and vLLM's own ``duration`` as ``bench_duration_s``."""
-    data = json.loads(Path(source).read_text())
+    data = _load_bench_serve(source)
     states = read_bench_serve(data)
     metrics = summarize(states, **dict(summarize_options or {}))
     metrics.update(backend=backend, source=str(source), bench_duration_s=data.get("duration"),

@@ -15,6 +15,7 @@ from core.output import (
     fmt,
     read_metrics,
     read_requests_csv,
+    read_step_features,
     read_steps_csv,
     read_tokens_csv,
     write_run,
@@ -201,3 +202,21 @@ def test_step_log_keeps_records_exactly_and_writes_what_a_list_writes(tmp_path):
     write_run(tmp_path / "a", [], recs, {"x": 1})
     write_run(tmp_path / "b", [], log, {"x": 1})
     assert (tmp_path / "a" / "steps.csv").read_bytes() == (tmp_path / "b" / "steps.csv").read_bytes()
+
+
+def test_a_truncated_run_file_fails_naming_its_line(tmp_path):
+    """A run CSV cut mid-row (a copy stopped short, an edit) is refused at the row: read as data, a short requests
+    row crashed with IndexError and a short steps row read its lost features as 0 (a wrong calibration)."""
+    _write(tmp_path, "run")
+    requests, steps = tmp_path / "run" / "requests.csv", tmp_path / "run" / "steps.csv"
+    requests.write_text(requests.read_text().rsplit(",", 5)[0] + "\n")
+    with pytest.raises(ValueError, match=r"requests.csv:4: \d+ values but the header has 18 columns"):
+        read_requests_csv(tmp_path / "run")
+    whole = steps.read_text()
+    steps.write_text(whole.rsplit(",", 3)[0] + "\n")
+    with pytest.raises(ValueError, match=r"steps.csv:3: no value for \['min_decode_context', 'kv_blocks_used', "
+                                         r"'num_preempted'\]"):
+        read_step_features(steps)
+    steps.write_text(whole.rstrip("\n") + ",9\n")  # the last row one value too many
+    with pytest.raises(ValueError, match=r"steps.csv:3: 1 values more than the header has"):
+        read_step_features(steps)

@@ -227,3 +227,23 @@ def test_an_unknown_request_list_field_warns_once_with_its_line(tmp_path, caplog
     assert [r.priority for r in rows] == [0, 0, 0]
     warnings = [r.getMessage() for r in caplog.records if "priorty" in r.getMessage()]
     assert len(warnings) == 1 and f"{f}:1:" in warnings[0] and "did you mean 'priority'" in warnings[0]
+
+
+@pytest.mark.parametrize("text, words", [
+    # an unquoted comma in the last field: its tail would be dropped without a word
+    ("arrival_s,prompt_tokens,output_tokens,tenant\n0,10,2,acme\n1,10,2,acme, inc\n",
+     [":3:", "5 values but the header has 4 columns", "' inc'"]),
+    # the second arrival_s column would silently win
+    ("arrival_s,prompt_tokens,output_tokens,arrival_s\n0,10,2,7\n", [":1:", "['arrival_s'] named more than once"]),
+    ("", [":1:", "empty file", "header row"]),
+])
+def test_a_malformed_csv_layout_fails_with_its_line(tmp_path, text, words):
+    f = tmp_path / "reqs.csv"
+    f.write_text(text)
+    with pytest.raises(ValueError) as e:
+        RequestList(path=str(f))
+    assert str(e.value).startswith(f"{f}:") and all(w in str(e.value) for w in words)
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2,9\n")
+    with pytest.raises(ValueError, match=r"azure.csv:2: 4 values but the header has 3 columns"):
+        list(read_azure(azure))

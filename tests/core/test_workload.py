@@ -78,6 +78,19 @@ def test_bad_length_specs_name_the_key(spec, words):
     assert all(w in str(e.value) for w in words)
 
 
+@pytest.mark.parametrize("cell, words", [
+    ("inf", [":3:", "'len'", "not a finite number"]),
+    ("nan", [":3:", "'len'", "not a finite number"]),
+    ("2.5", [":3:", "'len'", "not a whole number", "'2.5'"]),
+])
+def test_a_bad_empirical_cell_names_its_line(tmp_path, cell, words):
+    f = tmp_path / "lens.csv"
+    f.write_text(f"len\n12.0\n{cell}\n")
+    with pytest.raises(ValueError) as e:
+        make_length({"kind": "empirical", "path": str(f), "column": "len"}, "prompt_len")
+    assert str(e.value).startswith(f"{f}:") and all(w in str(e.value) for w in words)
+
+
 # ---- arrivals
 
 

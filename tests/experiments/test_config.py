@@ -127,3 +127,11 @@ def test_weights_beyond_the_device_ask_for_a_wider_split():
     with pytest.raises(ValueError, match=r"141 GB of weights.*more than the device's 80 GB: raise parallel.tp or "
                                          r"parallel.pp .*quant.weight_bits"):
         RunConfig.from_config(composed("model=llama3_70b", "hardware=h100"))
+
+
+@pytest.mark.parametrize("seed", ["abc", "-1", "1.5"])
+def test_a_bad_seed_is_named_as_seed(seed):
+    """backend.noise_seed defaults to ${seed}: the error must name the key the user set, not a bare int() error
+    or the derived key."""
+    with pytest.raises(ValueError, match=r"^seed=('abc'|-1|1\.5); allowed: an integer >= 0$"):
+        RunConfig.from_config(composed(f"seed={seed}"))

@@ -331,6 +331,22 @@ def test_vllm_detailed_json_becomes_a_measured_run(tmp_path):
     assert again["mean_ttft_ms"] == pytest.approx(150.0) and again["request_goodput"] is None
 
 
+@pytest.mark.parametrize("text, words", [
+    ("{broken", ["not a vLLM bench serve result", "JSONDecodeError"]),
+    ("[1, 2]", ["not a vLLM bench serve result", "a JSON list"]),
+    ('{"duration": 1.0}', ["no ['input_lens'", "--save-detailed"]),
+])
+def test_a_bad_bench_serve_file_is_named(tmp_path, text, words):
+    """compare.measured=<file>.json: a file that is not a detailed bench serve result is refused naming the file
+    (a bare JSONDecodeError, a TypeError on a list, or 'bench serve result' without the path before)."""
+    path = tmp_path / "vllm.json"
+    path.write_text(text)
+    for read in (read_bench_serve, lambda f: bench_serve_to_run(f, tmp_path / "run")):
+        with pytest.raises(ValueError) as e:
+            read(path)
+        assert str(e.value).startswith(f"{path}: ") and all(w in str(e.value) for w in words)
+
+
 def test_apportion_spreads_tokens_over_chunks():
     assert apportion(7, 3) == [2, 2, 3]
     assert apportion(2, 4) == [1, 1, 0, 0]
