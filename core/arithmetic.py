@@ -53,6 +53,37 @@ def check_quant(weight_bits: int, kv_bits: int, group_size: int) -> None:
     check_int(group_size, "quant.group_size", 1)
 
 
+def quant_input_widths(m: ModelSpec, tp: int = 1, expert_shard: int | None = None) -> dict[str, float]:
+    """Input widths of the linear layers one tensor-parallel device multiplies: the column-parallel ones read the
+    whole hidden state (or MLA's whole latents), the row-parallel ones 1/tp of theirs (o_proj, down_proj; an
+    expert's down_proj 1/``expert_shard``, the devices one expert is split over, default tp)."""
+    v_dim = m.mla.v_head_dim if m.mla is not None else m.head_dim
+    out: dict[str, float] = {"hidden": m.hidden_size, "attention": m.num_heads * v_dim / tp}
+    if m.moe is None or m.moe.dense_layers:
+        out["FFN"] = m.intermediate_size / tp
+    if m.moe is not None:
+        out["expert FFN"] = m.moe.intermediate_size / (expert_shard or tp)
+    if m.mla is not None:
+        out["kv latent"] = m.mla.kv_lora_rank
+        if m.mla.q_lora_rank:
+            out["q latent"] = m.mla.q_lora_rank
+    return out
+
+
+def check_group_size(m: ModelSpec, weight_bits: int, group_size: int, tp: int = 1,
+                     expert_shard: int | None = None) -> None:
+    """Quantised weights (``weight_bits`` < 16) are stored in groups along each linear layer's input: a group must
+    divide every input width a device multiplies (``quant_input_widths``), as the engine's and vLLM's kernels
+    require."""
+    if weight_bits >= 16:
+        return
+    widths = quant_input_widths(m, tp, expert_shard)
+    if any(w % group_size for w in widths.values()):
+        where = f" per device at tp={tp}" if tp > 1 else ""
+        raise ValueError(f"quant.group_size={group_size} must divide the linear layers' input widths{where} ("
+                         + ", ".join(f"{k} {w:g}" for k, w in widths.items()) + ")")
+
+
 def kv_bits_of(kv_dtype: str) -> int:
     """kv_bits for the engine's ``kv_dtype`` ("auto": the model dtype, "int8")."""
     return KV_DTYPE_BITS[check_choice(kv_dtype, "kv_dtype", KV_DTYPE_BITS)]

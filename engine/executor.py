@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.arithmetic import check_group_size
 from core.batch import Batch, Chunk
 from core.checks import check_choice
 from core.interfaces import BaseExecutor, StepOutput
@@ -142,9 +143,10 @@ def build_engine_executors(spec: ModelSpec, options: EngineOptions, quant: Quant
                            kv_managers: list[KVCacheManager], seed: int = 0,
                            clock: str = "wall", tp: int = 1, ep: int = 1) -> list[EngineExecutor]:
     """One executor per replica; the replicas share one model. ``quant``: W4A16 weights (weight_bits 4) and int8 KV
-    (kv_bits 8), checked against the model by ``EngineOptions.check_quant``. ``tp`` / ``ep`` (``parallel``): one
-    replica over tp ranks (build_engine_executor)."""
-    options.check_quant(quant, spec)
+    (kv_bits 8), checked by ``EngineOptions.check_quant``, and against the model by ``check_group_size``. ``tp`` /
+    ``ep`` (``parallel``): one replica over tp ranks (build_engine_executor)."""
+    options.check_quant(quant)
+    check_group_size(spec, quant.weight_bits, quant.group_size, tp, max(1, tp // ep))
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     kernels, sampling = resolve_kernels(options.kernels, options.device), options.sampling

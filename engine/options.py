@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.checks import check_bool, check_choice, check_float, check_fraction, check_int, check_keys
 from core.request import SamplingParams
-from core.specs import ModelSpec, QuantSpec
+from core.specs import QuantSpec
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import CPU_GEMMS
 
@@ -63,18 +63,12 @@ class EngineOptions:
         return cls(**backend)
 
     @staticmethod
-    def check_quant(quant: QuantSpec, spec: ModelSpec) -> None:
-        """What the engine can store: 16-bit or W4A16 weights (the group dividing every linear layer's input
-        width), model-dtype or int8 KV."""
+    def check_quant(quant: QuantSpec) -> None:
+        """What the engine can store: 16-bit or W4A16 weights, model-dtype or int8 KV (the group size against the
+        layers' widths: ``core.arithmetic.check_group_size``, for both backends)."""
         if quant.weight_bits not in (16, 4):
             raise ValueError(f"quant.weight_bits={quant.weight_bits}: the engine stores 16-bit (the model dtype) or "
                              "W4A16 (4) weights; 8-bit weights are a simulator what-if")
-        group = quant.group_size
-        widths = {"hidden": spec.hidden_size, "attention": spec.num_heads * spec.head_dim,
-                  "FFN": spec.intermediate_size}
-        if quant.weight_bits == 4 and any(w % group for w in widths.values()):
-            raise ValueError(f"quant.group_size={group} must divide the linear layers' input widths "
-                             f"({', '.join(f'{k} {v}' for k, v in widths.items())})")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -346,10 +346,12 @@ class RunConfig:
         hardware = HardwareSpec.from_mapping(plain(cfg.hardware))
         model = stored_model(ModelSpec.from_config(plain(cfg.model)), engine)
         if engine is not None:
-            engine.check_quant(quant, model)
+            engine.check_quant(quant)
         kv = _record(KVConfig, "kv", cfg.kv)
         parallel = _record(ParallelConfig, "parallel", cfg.get("parallel"))
         parallel.check(model)
+        arithmetic.check_group_size(model, quant.weight_bits, quant.group_size, parallel.tp,
+                                    max(1, parallel.tp * parallel.dp // parallel.ep))
         if engine is not None and (parallel.pp > 1 or parallel.dp > 1):
             key = "pp" if parallel.pp > 1 else "dp"
             raise ValueError(f"parallel.{key}={getattr(parallel, key)}: the engine runs tensor (parallel.tp) and "

@@ -349,3 +349,21 @@ def test_what_vllm_keeps_whole_on_every_tensor_parallel_device_by_hand():
     # which every device keeps whole
     extra = ar.weight_bytes_per_device(llama, tp=16) - ar.weight_bytes(llama) / 16
     assert extra == 80 * 2 * (2 * 8192 * 128 - 2 * 8192 * 1024 / 16) + (80 * 2 + 1) * 8192 * 2 * 15 / 16
+
+
+def test_a_quantisation_group_divides_what_each_device_multiplies():
+    """Qwen2.5-72B's FFN (29568) splits into 3696 a device at tp 8, which 128-weight groups do not divide (vLLM's
+    GPTQ kernels refuse it too); at tp 4 it is 7392 = 57.75 groups, at tp 2 14784 = 115.5; 16-bit weights have no
+    groups. An MoE model's experts are split over their own devices."""
+    m = ModelSpec("qwen2_5_72b", 80, 8192, 64, 8, 128, 29568, 152064)
+    ar.check_group_size(m, 4, 128, tp=1)
+    ar.check_group_size(m, 16, 128, tp=8)
+    ar.check_group_size(m, 4, 16, tp=8)  # 3696 = 231 x 16
+    with pytest.raises(ValueError, match=r"group_size=128 .* at tp=8 \(hidden 8192, attention 1024, FFN 3696\)"):
+        ar.check_group_size(m, 4, 128, tp=8)
+    with pytest.raises(ValueError, match="group_size=96"):
+        ar.check_group_size(m, 4, 96, tp=1)
+    qwen = from_hf("Qwen3-30B-A3B-Instruct-2507")  # experts 768 wide
+    assert ar.quant_input_widths(qwen, 2, expert_shard=1) == {"hidden": 2048, "attention": 2048, "expert FFN": 768}
+    with pytest.raises(ValueError, match="expert FFN 96"):
+        ar.check_group_size(qwen, 4, 128, tp=8, expert_shard=8)
