@@ -6,7 +6,8 @@ operator profiles) whether the TP-N tables agree with the TP-1 tables split by N
 Every step of the run's steps.csv is priced again by the run's own cost model (``breakdown``: its parts sum to the
 step time) and the parts are summed over the run, grouped into ``dense`` (the linear layers, norms, activations,
 rotary and the embedding), ``moe`` (routed experts), ``attention`` (skew included), ``head`` (LM head, sampler),
-``collectives`` (all-reduce, all-to-all, send/recv), ``host`` (the roofline's ``host_wait``: the device waiting on
+``collectives`` (all-reduce, all-to-all, send/recv), ``launches`` (kernel launches of steps run without a CUDA
+graph, or of every step on the roofline), ``host`` (the roofline's ``host_wait``: the device waiting on
 the host's kernel dispatch, with ``cost_model.host_kernel_s`` > 0) and ``overhead``; each group's share of the
 summed step time is what a researcher reads first. A pipeline's virtual engines are priced as whole steps (every
 stage's parts, the waits for busy stages not included).
@@ -34,7 +35,8 @@ from core.output import read_step_features
 GROUPS = {  # breakdown key -> group (a key not listed: dense)
     "moe": "moe", "attention": "attention", "skew": "attention", "attention_prefill": "attention",
     "attention_decode": "attention", "lm_head": "head", "sampler": "head", "allreduce": "collectives",
-    "all_to_all": "collectives", "send_recv": "collectives", "host_wait": "host", "overhead": "overhead",
+    "all_to_all": "collectives", "send_recv": "collectives", "host_wait": "host", "kernels": "launches",
+    "overhead": "overhead",
 }
 TP_STABLE = ("embedding", "layernorm", "final_layernorm", "sampler")  # rows every TP rank runs whole
 COLLECTIVES = ("allreduce", "all_to_all", "send_recv")

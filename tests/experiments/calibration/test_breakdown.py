@@ -18,9 +18,9 @@ except FileNotFoundError:  # pragma: no cover
 
 def test_parts_group_by_what_they_are():
     parts = {"qkv_proj": 1.0, "layernorm": 0.5, "moe": 2.0, "attention": 3.0, "skew": 0.25, "lm_head": 0.5,
-             "sampler": 0.125, "allreduce": 0.75, "send_recv": 0.25, "overhead": 0.1}
+             "sampler": 0.125, "allreduce": 0.75, "send_recv": 0.25, "kernels": 0.0625, "overhead": 0.1}
     assert grouped(parts) == {"dense": 1.5, "moe": 2.0, "attention": 3.25, "head": 0.625, "collectives": 1.0,
-                              "overhead": 0.1}
+                              "launches": 0.0625, "overhead": 0.1}
 
 
 def test_tp1_route_splits_sharded_rows_and_keeps_stable_ones():
