@@ -37,13 +37,13 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 
 
 def _required(hf: Mapping[str, Any], key: str, arch: str, alias: str | None = None) -> Any:
-    """A config.json key the architecture cannot do without (or its ``alias``: transformers 5 writes some keys
+    """A config.json size or count (an integer >= 1) the architecture cannot do without (or its ``alias``: transformers 5 writes some keys
     under another name, e.g. Qwen3-MoE's num_experts as num_local_experts)."""
     value = hf.get(key, hf.get(alias)) if alias else hf.get(key)
     if value is None:
         also = f" or {alias!r}" if alias else ""
         raise ValueError(f"config.json: missing key {key!r}{also} (required by architecture {arch!r})")
-    return value
+    return check_int(value, f"config.json: {key}", 1)  # every required key is a size or a count
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,7 @@ class ModelSpec:
         object.__setattr__(self, "mla", _section(MLASpec, self.mla, "model.mla"))
         for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                     "vocab_size", "max_model_len"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+            check_int(getattr(self, key), f"model.{key}", 1)  # a quoted "4" in config.json fails here, named
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of "
                              f"model.num_kv_heads ({self.num_kv_heads})")
@@ -176,6 +175,9 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], name: str = "", path: str | None = None) -> ModelSpec:
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"config.json: architectures={archs!r}; allowed: a list of class names such as "
+                             "[\"LlamaForCausalLM\"]")
         if archs[0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {sorted(ARCHITECTURES)}")
         arch = ARCHITECTURES[archs[0]]
@@ -240,7 +242,11 @@ class ModelSpec:
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint directory {path}" if cfg_file != p
                                     else f"no model config file {path}")
-        return cls.from_hf_config(json.loads(cfg_file.read_text()), name=p.stem if cfg_file == p else p.name,
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except ValueError as e:
+            raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+        return cls.from_hf_config(hf, name=p.stem if cfg_file == p else p.name,
                                   path=str(path))
 
     def to_dict(self) -> dict[str, Any]:

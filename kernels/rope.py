@@ -40,7 +40,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     if kind in ("dynamic", "yarn", "longrope"):
-        raise NotImplementedError(f"rope scaling type {kind!r} is not implemented; supported: {ROPE_TYPES}")
+        raise ValueError(f"rope scaling type {kind!r} is not implemented; supported: {ROPE_TYPES}")
     raise ValueError(f"unknown rope scaling type {kind!r}; supported: {ROPE_TYPES}")
 
 

@@ -120,6 +120,25 @@ def test_missing_config_key_is_named(config, key):
         ModelSpec.from_hf_config(hf)
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"num_attention_heads": "64"}, r"config\.json: num_attention_heads='64'; allowed: an integer >= 1"),
+    ({"hidden_size": 5120.5}, r"config\.json: hidden_size=5120\.5"),
+    ({"num_key_value_heads": "8"}, r"model\.num_kv_heads='8'"),
+    ({"head_dim": "128"}, r"model\.head_dim='128'"),
+    ({"architectures": "Qwen3ForCausalLM"}, r"config\.json: architectures='Qwen3ForCausalLM'; allowed: a list"),
+])
+def test_wrongly_typed_config_values_are_named(edit, message):
+    """A quoted or fractional size is refused by its config.json key, not crashed on (a TypeError) or truncated."""
+    with pytest.raises(ValueError, match=message):
+        from_hf("Qwen3-32B", **edit)
+
+
+def test_config_json_that_does_not_parse_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: not valid JSON"):
+        ModelSpec.from_pretrained(tmp_path)
+
+
 def test_expert_count_under_transformers_5_name():
     """transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)."""
     hf = hf_config("Qwen3-30B-A3B-Instruct-2507")

@@ -79,9 +79,9 @@ def test_linear_scaling_is_position_division():
 
 
 def test_bad_scaling_and_shapes_raise():
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(ValueError, match="yarn"):
         rope_cos_sin(64, 16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(NotImplementedError, match="dynamic"):
+    with pytest.raises(ValueError, match="dynamic"):
         rope_cos_sin(64, 16, 10000.0, {"type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="bogus"):
         rope_cos_sin(64, 16, 10000.0, {"rope_type": "bogus"})
