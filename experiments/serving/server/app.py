@@ -166,8 +166,9 @@ class OpenAIServer:
             self.live.add(owned)
             gen = await self._parse(request, chat)
             snap = self.bridge.snapshot
-            if snap.num_waiting + self.bridge.pending >= self.settings.max_waiting:
-                raise APIError(f"too many requests waiting ({snap.num_waiting} >= serve.max_waiting="
+            waiting = snap.num_waiting + self.bridge.pending  # queued, and submitted but not yet dispatched
+            if waiting >= self.settings.max_waiting:
+                raise APIError(f"too many requests waiting ({waiting} >= serve.max_waiting="
                                f"{self.settings.max_waiting}); retry later", status=429, kind="rate_limit_error")
             try:
                 req = Request(rid, self.bridge.now(), len(gen.prompt_ids), gen.max_tokens,

@@ -211,6 +211,31 @@ def test_backpressure_disconnect_and_sigterm(ckpt, tmp_path):
     assert metrics["run_status"] == "complete" and not list((tmp_path / "run").glob("*.partial"))
 
 
+def test_a_burst_beyond_max_waiting_is_429_with_the_count_that_was_compared(ckpt, tmp_path):
+    """A burst arrives faster than the loop dispatches: the queue count compared with serve.max_waiting includes the
+    submissions not yet dispatched, and the 429 message states that count (it once printed the dispatched ones
+    only: "0 >= serve.max_waiting=4"). Every request that got a 200 is in the run files."""
+    s = Server(ckpt, tmp_path / "run", "scheduler.max_num_seqs=1", "serve.max_waiting=4", "kv.num_blocks=64")
+    body = json.dumps({"prompt": [5] * 20, "max_tokens": 8, "ignore_eos": True}).encode()
+    answers: list[tuple[int, dict]] = []
+    try:
+        threads = [threading.Thread(target=lambda: answers.append(s.post("/v1/completions", body)))
+                   for _ in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        assert s.stop() == 0
+    assert len(answers) == 24 and {code for code, _ in answers} == {200, 429}
+    for code, answer in answers:
+        if code == 429:
+            count = int(answer["error"]["message"].split("(")[1].split(" >=")[0])
+            assert count >= 4, answer
+    rows = list(csv.DictReader((tmp_path / "run" / "requests.csv").open()))
+    assert len(rows) == sum(code == 200 for code, _ in answers) and {r["status"] for r in rows} == {"FINISHED"}
+
+
 def test_loadgen_agrees_with_the_servers_own_records(ckpt, tmp_path):
     """loadgen's per-request TTFT and token gaps against the server's requests.csv / tokens.csv (paired through
     X-Request-Id): the client sees the server's times plus the HTTP path."""
