@@ -37,8 +37,8 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 
 
 def _required(hf: Mapping[str, Any], key: str, arch: str, alias: str | None = None) -> Any:
-    """A config.json size or count (an integer >= 1) the architecture cannot do without (or its ``alias``: transformers 5 writes some keys
-    under another name, e.g. Qwen3-MoE's num_experts as num_local_experts)."""
+    """A config.json size or count (an integer >= 1) the architecture cannot do without (or its ``alias``:
+    transformers 5 writes some keys under another name, e.g. Qwen3-MoE's num_experts as num_local_experts)."""
     value = hf.get(key, hf.get(alias)) if alias else hf.get(key)
     if value is None:
         also = f" or {alias!r}" if alias else ""
