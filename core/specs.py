@@ -174,7 +174,10 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], name: str = "", path: str | None = None) -> ModelSpec:
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        # no architectures: the model_type names the family, as transformers' AutoConfig reads it (else Llama)
+        model_type = hf.get("model_type") or "llama"
+        by_type = {family: cls_name for cls_name, family in ARCHITECTURES.items()}
+        archs = hf.get("architectures") or [by_type.get(model_type, model_type)]
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ValueError(f"config.json: architectures={archs!r}; allowed: a list of class names such as "
                              "[\"LlamaForCausalLM\"]")

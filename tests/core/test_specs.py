@@ -133,6 +133,18 @@ def test_wrongly_typed_config_values_are_named(edit, message):
         from_hf("Qwen3-32B", **edit)
 
 
+@pytest.mark.parametrize("name", ["Mixtral-8x7B-v0.1", "Qwen3-32B", "Qwen3-30B-A3B-Instruct-2507"])
+def test_without_architectures_the_model_type_names_the_family(name):
+    """As transformers' AutoConfig: a config.json with no architectures is read by its model_type, not as Llama
+    (which would drop Qwen3's q/k norms or Mistral's window without a word)."""
+    hf = hf_config(name)
+    arch = ModelSpec.from_hf_config(hf).architecture
+    del hf["architectures"]
+    assert ModelSpec.from_hf_config(hf).architecture == arch != "llama"
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        ModelSpec.from_hf_config({**hf, "model_type": "gpt2"})
+
+
 def test_config_json_that_does_not_parse_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: not valid JSON"):
