@@ -74,7 +74,8 @@ def _collect(root: Path, incomplete: list[str] | None) -> list[tuple[str, dict[s
         metrics = read_metrics(metrics_file)
         status = metrics.get("run_status", "complete")  # run directories written before run_status: complete
         if status != "complete":
-            skipped.append(f"{name} (run_status {status})")
+            error = f": {metrics['error']}" if metrics.get("error") else ""
+            skipped.append(f"{name} (run_status {status}{error})")
             continue
         overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
         jobs.append((name, dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o), metrics))
@@ -134,6 +135,8 @@ def _order(column: pd.Series) -> pd.Series:
 def report(root: str | Path, x: str = "scheduler.max_num_batched_tokens", series: str = "scheduler",
            where: dict[str, str] | None = None, repeat: str = "seed") -> Path:
     root = Path(root)
+    if x == series:
+        raise ValueError(f"--x and --series both name {x}: the series must be another swept key")
     incomplete: list[str] = []
     df, keys = table(root, incomplete)
     for k, v in (where or {}).items():
