@@ -355,8 +355,10 @@ class Replica:
         held, bs, running = self.kv.num_blocks_held, self.kv.block_size, Status.RUNNING
         for ch in batch.chunks:
             state = ch.state
-            if state.status is not running or state.id in seen:
-                raise RuntimeError(f"{name}: request {state.id} is {state.status.name} or scheduled twice")
+            if state.id in seen:
+                raise RuntimeError(f"{name}: request {state.id} scheduled twice in one batch")
+            if state.status is not running:
+                raise RuntimeError(f"{name}: request {state.id} scheduled while {state.status.name}, not RUNNING")
             seen.add(state.id)
             if held(state.id) * bs < ch.end + ch.num_draft_tokens:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end + ch.num_draft_tokens} "
