@@ -222,12 +222,12 @@ class Replica:
         view = self._view  # one object reused every step (cheaper than building one per step)
         view.now, view.preempted, view.blocked = now, [], None
         hidden = self._hide_for_async() if self._async else None
-        batch = self.scheduler.schedule(view)
+        batch = self._batch_of(self.scheduler.schedule(view))
         if hidden:
             self.waiting.extend(hidden)
             if batch.empty and not view.preempted:  # nothing in flight to wait behind: vLLM schedules them now
                 view.preempted, view.blocked = [], None
-                batch = self.scheduler.schedule(view)
+                batch = self._batch_of(self.scheduler.schedule(view))
         if self._async:
             self._prev_start = now if not batch.empty else math.inf
             for state in batch.chunks:
@@ -342,6 +342,13 @@ class Replica:
                 queue.remove(state)
                 self._end(state, Status.TIMED_OUT, now, f"not finished {self.limits.request_timeout_s}s after arrival")
 
+    def _batch_of(self, batch: Batch) -> Batch:
+        """What ``schedule`` returned, if it is a Batch (a list or None would fail later, far from its cause)."""
+        if not isinstance(batch, Batch):
+            raise RuntimeError(f"{type(self.scheduler).__name__}.schedule returned {type(batch).__name__}, "
+                               "not a core.batch.Batch")
+        return batch
+
     def _validate(self, batch: Batch) -> None:
         """Reject a plugin's batch that breaks a budget or runs a request without room for its tokens."""
         f = batch.features
@@ -360,6 +367,10 @@ class Replica:
             if state.status is not running:
                 raise RuntimeError(f"{name}: request {state.id} scheduled while {state.status.name}, not RUNNING")
             seen.add(state.id)
+            total = state.request.prompt_len + len(state.output_token_ids)
+            if not 0 < ch.num_tokens <= total - ch.start:
+                raise RuntimeError(f"{name}: request {state.id} scheduled {ch.num_tokens} tokens from token "
+                                   f"{ch.start}; it has {total - ch.start} left to compute (Chunk.next builds one)")
             if held(state.id) * bs < ch.end + ch.num_draft_tokens:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end + ch.num_draft_tokens} "
                                    "without KV blocks")

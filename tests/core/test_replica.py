@@ -173,3 +173,28 @@ def test_a_batch_with_a_request_twice_or_a_finished_one_says_which(scheduler, me
     reqs = [Request("A", 0.0, 4, 2), Request("B", 0.0, 4, 8)]
     with pytest.raises(RuntimeError, match=message):
         run_requests(reqs, scheduler, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+class _TooLong(SarathiScheduler):
+    """Turns a decode into a 3-token chunk."""
+
+    def schedule(self, view):
+        from core.batch import Chunk
+
+        batch = super().schedule(view)
+        batch.chunks[:] = [Chunk(c.state, c.start, 3, True, False) if c.is_decode else c for c in batch.chunks]
+        return batch
+
+
+class _ReturnsList(SarathiScheduler):
+    def schedule(self, view):
+        return super().schedule(view).chunks
+
+
+@pytest.mark.parametrize(("scheduler", "message"), [
+    (_TooLong, r"_TooLong: request A scheduled 3 tokens from token 4; it has 1 left to compute"),
+    (_ReturnsList, r"_ReturnsList\.schedule returned list, not a core\.batch\.Batch"),
+])
+def test_a_chunk_past_the_sequence_or_a_non_batch_is_refused_naming_the_scheduler(scheduler, message):
+    with pytest.raises(RuntimeError, match=message):
+        run_requests([Request("A", 0.0, 4, 4)], scheduler, max_num_batched_tokens=64, max_num_seqs=8)
