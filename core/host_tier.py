@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from numbers import Integral
 from dataclasses import asdict, dataclass
+from numbers import Integral
 
 from core.batch import BlockCopy
 from core.checks import check_int
