@@ -213,3 +213,15 @@ def test_a_failing_job_fails_the_sweep_after_the_others_ran_and_is_named(tmp_pat
 def test_x_and_series_must_differ(tmp_path):
     with pytest.raises(ValueError, match="--x and --series both name seed"):
         report(tmp_path, x="seed", series="seed")
+
+
+def test_x_or_series_that_no_job_overrides_is_read_from_each_job_config(tmp_path):
+    """`+sweep=rates` sweeps only the rate: `--x workload.arrival.rate_rps` used to fail with "not swept in every
+    job: ['scheduler']"; the series is now each job's scheduler option (and a plain key its config value)."""
+    _multirun(tmp_path, "workload.arrival.rate_rps=1,4")
+    report(tmp_path, x="workload.arrival.rate_rps")
+    md = (tmp_path / "sweep_report.md").read_text().splitlines()
+    assert md[0].startswith("| scheduler | workload.arrival.rate_rps |")
+    assert [r.split(" | ")[:2] for r in md[2:]] == [["| sarathi", "1"], ["| sarathi", "4"]]
+    report(tmp_path, x="workload.arrival.rate_rps", series="kv.block_size")
+    assert (tmp_path / "sweep_report.md").read_text().splitlines()[2].startswith("| 16 | 1 |")
