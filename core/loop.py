@@ -227,6 +227,14 @@ class ServingLoop:
         stuck = self.unfinished()
         if stuck:  # only a scheduler that refuses work on a busy replica can cause this
             raise RuntimeError(f"run ended with {len(stuck)} unfinished requests, e.g. {stuck[:5]}")
+        queued = set(stuck)
+        lost = [s for s in self.states if not s.status.terminal and s.id not in queued]
+        if lost:  # a plugin took them out of view.waiting / view.running itself: they would vanish from the counts
+            names = sorted({type(self.replicas[s.replica].scheduler).__name__ for s in lost})
+            raise RuntimeError(f"run ended with {len(lost)} requests in no replica's queue, e.g. "
+                               f"{[f'{s.id} ({s.status.name})' for s in lost[:5]]}: scheduler {', '.join(names)} "
+                               "removed them from view.waiting / view.running without admit, preempt or finishing "
+                               "them")
         for ex in self.executors:
             ex.finish()
         if self.itl_pool is not None:

@@ -198,3 +198,20 @@ class _ReturnsList(SarathiScheduler):
 def test_a_chunk_past_the_sequence_or_a_non_batch_is_refused_naming_the_scheduler(scheduler, message):
     with pytest.raises(RuntimeError, match=message):
         run_requests([Request("A", 0.0, 4, 4)], scheduler, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+class _DropsWaiting(SarathiScheduler):
+    """Takes the newest waiting request out of the queue itself, without admitting or rejecting it."""
+
+    def schedule(self, view):
+        if len(view.waiting) > 1:
+            view.waiting.pop()
+        return super().schedule(view)
+
+
+def test_a_request_a_scheduler_drops_from_its_queue_fails_the_run_instead_of_vanishing():
+    """It used to end as a complete run with the request neither finished, rejected nor timed out."""
+    reqs = [Request("A", 0.0, 4, 4), Request("B", 0.0, 4, 4), Request("C", 0.5, 4, 4)]
+    with pytest.raises(RuntimeError, match=r"1 requests in no replica's queue, e\.g\. \['B \(WAITING\)'\]: "
+                                           r"scheduler _DropsWaiting removed them"):
+        run_requests(reqs, _DropsWaiting, max_num_batched_tokens=64, max_num_seqs=8)
