@@ -240,8 +240,11 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.get("gpus") is not None:  # a deployment search trial (conf/sweep/deployment.yaml)
         cfg = fill_replicas(cfg)
         skipped = off_budget(cfg)
-        if skipped:
+        if skipped:  # its directory says why, so a report does not take it for a job that died
             log.info(f"deployment search: {skipped}; objective 0")
+            (Path(out_dir) / "metrics.json").write_text(json.dumps(
+                {"run_status": "failed", "error": f"deployment search trial not run ({skipped}); objective 0"},
+                sort_keys=True) + "\n")
             return 0.0
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",
