@@ -10,6 +10,7 @@ Both backends drive it with the same loop::
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from collections.abc import Callable
 
@@ -114,12 +115,19 @@ class ReplicaSchedulerView:
         """Draft tokens for a decode of ``state`` this step (0 without a speculation policy); see SchedulerView."""
         if self._speculation is None:
             return 0
-        k = self._speculation.num_draft_tokens(state, len(self.running))
+        asked = self._speculation.num_draft_tokens(state, len(self.running))
+        try:
+            k = operator.index(asked)  # an int (or a NumPy one): a float or None is a bug, not a draft count
+        except TypeError:
+            k = -1
+        if k < 0:
+            raise RuntimeError(f"{type(self._speculation).__name__}.num_draft_tokens returned {asked!r}; allowed: "
+                               "an integer >= 0")
         # a draft past the last output is never used; nor may a position pass max_model_len (the state's
         # tokens + 1 decode + k drafts, minus the last output, which is never fed back)
         left = min(state.request.max_new_tokens - len(state.output_token_ids),
                    self.limits.max_model_len - state.num_tokens) - 1
-        return max(0, min(int(k), left))
+        return max(0, min(k, left))
 
 
 class Replica:
