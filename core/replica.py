@@ -230,12 +230,12 @@ class Replica:
         view = self._view  # one object reused every step (cheaper than building one per step)
         view.now, view.preempted, view.blocked = now, [], None
         hidden = self._hide_for_async() if self._async else None
-        batch = self._batch_of(self.scheduler.schedule(view))
+        batch = self._schedule_once(view)
         if hidden:
             self.waiting.extend(hidden)
             if batch.empty and not view.preempted:  # nothing in flight to wait behind: vLLM schedules them now
                 view.preempted, view.blocked = [], None
-                batch = self._batch_of(self.scheduler.schedule(view))
+                batch = self._schedule_once(view)
         if self._async:
             self._prev_start = now if not batch.empty else math.inf
             for state in batch.chunks:
@@ -350,8 +350,14 @@ class Replica:
                 queue.remove(state)
                 self._end(state, Status.TIMED_OUT, now, f"not finished {self.limits.request_timeout_s}s after arrival")
 
-    def _batch_of(self, batch: Batch) -> Batch:
-        """What ``schedule`` returned, if it is a Batch (a list or None would fail later, far from its cause)."""
+    def _schedule_once(self, view: ReplicaSchedulerView) -> Batch:
+        """The scheduler's batch: an error it raises names it (a note), and what it returns must be a Batch (a list
+        or None would fail later, far from its cause)."""
+        try:
+            batch = self.scheduler.schedule(view)
+        except Exception as e:
+            e.add_note(f"raised by scheduler {type(self.scheduler).__name__}.schedule on replica {self.index}")
+            raise
         if not isinstance(batch, Batch):
             raise RuntimeError(f"{type(self.scheduler).__name__}.schedule returned {type(batch).__name__}, "
                                "not a core.batch.Batch")

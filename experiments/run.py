@@ -53,7 +53,8 @@ def run(cfg: DictConfig | RunConfig, out_dir: str | Path, make_executors: MakeEx
     except BaseException as e:
         partial = loop.result(time.perf_counter() - t0)
         ended = [st for st in partial.states if st.status.terminal]
-        note = {"error": f"{type(e).__name__}: {e}",  # num_unfinished: arrived but not ended
+        notes = "".join(f" ({n})" for n in getattr(e, "__notes__", ()))  # e.g. which plugin raised it
+        note = {"error": f"{type(e).__name__}: {e}{notes}",  # num_unfinished: arrived but not ended
                 "num_unfinished": len(partial.states) - len(ended)}
         with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
             write_run_dir(rc, RunResult(ended, partial.steps, partial.end_s, partial.wall_s,
