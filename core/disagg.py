@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from core.interfaces import Executor, KVTransport, Placement, ReplicaView, Router, Workload
-from core.loop import Idle, Process, ServingLoop, Sleep
+from core.loop import Idle, Process, ServingLoop, Sleep, plugin_index
 from core.metrics import DEFAULT_PERCENTILES, stats
 from core.replica import Replica
 from core.request import Request, RequestState, Status
@@ -111,9 +111,7 @@ class PDServingLoop(ServingLoop):
         """The router chooses among the prefill replicas only."""
         n = self.num_prefill
         idx = self.router.route(req, [r.view() for r in self.replicas[:n]]) if n > 1 else 0
-        if not 0 <= idx < n:
-            raise RuntimeError(f"router {type(self.router).__name__} returned replica {idx} of {n} prefill replicas")
-        return idx
+        return plugin_index(idx, n, f"router {type(self.router).__name__}", "prefill replica")
 
     # ---- hand-off and placement ------------------------------------------------------------------------------
     def _prefilled(self, state: RequestState, now: float) -> None:
@@ -133,10 +131,8 @@ class PDServingLoop(ServingLoop):
     def _place(self, request: Request) -> int:
         views = self.decode_views()
         idx = self.placement.place(request, views) if len(views) > 1 else 0
-        if not 0 <= idx < len(views):
-            raise RuntimeError(f"placement {type(self.placement).__name__} returned decode replica {idx} of "
-                               f"{len(views)}")
-        return self.num_prefill + idx
+        return self.num_prefill + plugin_index(idx, len(views), f"placement {type(self.placement).__name__}",
+                                               "decode replica")
 
     def _reserve(self, t: Transfer, now: float) -> list[int] | None:
         """The decode replica's blocks for ``t``'s KV, or None while it cannot hold it (blocks or seats)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from numbers import Integral
 
 from core.batch import BlockCopy
 from core.checks import check_int
@@ -183,8 +184,10 @@ class HostTier:
             hid = self._free.popleft()
         else:
             hid = self.eviction.victim()
-            blk = self.blocks[hid]
-            assert blk.ref_count == 0 and blk.hash is not None, f"host eviction returned block {hid} in use"
+            blk = self.blocks[hid] if isinstance(hid, Integral) and 0 <= hid < len(self.blocks) else None
+            if blk is None or blk.ref_count != 0 or blk.hash is None:
+                raise RuntimeError(f"host eviction {type(self.eviction).__name__}.victim() returned {hid!r}, not "
+                                   "the id of an evictable spilled block")
             del self._cached[blk.hash]
             blk.hash = None
         blk = self.blocks[hid]

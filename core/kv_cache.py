@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
+from numbers import Integral
 
 from core.checks import check_choice, check_int
 from core.host_tier import HostTier
@@ -297,8 +298,10 @@ class KVCacheManager:
         ids = []
         for _ in range(n):
             bid = victim()
-            blk = items[bid]
-            assert blk.ref_count == 0 and blk.hash is not None, f"eviction policy returned block {bid} in use"
+            blk = items[bid] if isinstance(bid, Integral) and 0 <= bid < len(items) else None
+            if blk is None or blk.ref_count != 0 or blk.hash is None:
+                raise RuntimeError(f"eviction {type(self.eviction).__name__}.victim() returned {bid!r}, not the id "
+                                   "of an evictable cached block")
             if host is not None:
                 host.spill(blk, bid, now)  # the copy runs before this step writes the block
             uncache(blk.hash, bid)

@@ -27,6 +27,7 @@ member's step lasts the group's step (one step record per member that ran a batc
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -135,6 +136,19 @@ StepListener = Callable[[int, Batch, StepRecord], None]
 TerminalListener = Callable[[RequestState, float], None]
 
 
+def plugin_index(idx: Any, n: int, plugin: str, what: str) -> int:
+    """A router's or placement's choice as an index into its ``n`` replicas (an int or a NumPy integer), or a
+    RuntimeError naming the plugin and what it returned: a float or None would fail later, far from its cause."""
+    try:
+        i = operator.index(idx)
+    except TypeError:
+        raise RuntimeError(f"{plugin} returned {idx!r} ({type(idx).__name__}); it must return the index of a "
+                           f"{what}, an int in 0..{n - 1}") from None
+    if not 0 <= i < n:
+        raise RuntimeError(f"{plugin} returned {what} {i} of {n}")
+    return i
+
+
 class ServingLoop:
     """Replicas, their executors, a router and a workload, as processes for a ``Clock``.
 
@@ -213,6 +227,14 @@ class ServingLoop:
         stuck = self.unfinished()
         if stuck:  # only a scheduler that refuses work on a busy replica can cause this
             raise RuntimeError(f"run ended with {len(stuck)} unfinished requests, e.g. {stuck[:5]}")
+        queued = set(stuck)
+        lost = [s for s in self.states if not s.status.terminal and s.id not in queued]
+        if lost:  # a plugin took them out of view.waiting / view.running itself: they would vanish from the counts
+            names = sorted({type(self.replicas[s.replica].scheduler).__name__ for s in lost})
+            raise RuntimeError(f"run ended with {len(lost)} requests in no replica's queue, e.g. "
+                               f"{[f'{s.id} ({s.status.name})' for s in lost[:5]]}: scheduler {', '.join(names)} "
+                               "removed them from view.waiting / view.running without admit, preempt or finishing "
+                               "them")
         for ex in self.executors:
             ex.finish()
         if self.itl_pool is not None:
@@ -240,9 +262,7 @@ class ServingLoop:
     def _route(self, req: Request) -> int:
         """The replica a new request goes to: the router's choice among all replicas."""
         idx = self.router.route(req, [r.view() for r in self.replicas]) if len(self.replicas) > 1 else 0
-        if not 0 <= idx < len(self.replicas):
-            raise RuntimeError(f"router {type(self.router).__name__} returned replica {idx} of {len(self.replicas)}")
-        return idx
+        return plugin_index(idx, len(self.replicas), f"router {type(self.router).__name__}", "replica")
 
     def _arrivals(self) -> Process:
         clock, delay = self.clock, self.frontend_delay_s

@@ -10,6 +10,7 @@ Both backends drive it with the same loop::
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from collections.abc import Callable
 
@@ -114,12 +115,19 @@ class ReplicaSchedulerView:
         """Draft tokens for a decode of ``state`` this step (0 without a speculation policy); see SchedulerView."""
         if self._speculation is None:
             return 0
-        k = self._speculation.num_draft_tokens(state, len(self.running))
+        asked = self._speculation.num_draft_tokens(state, len(self.running))
+        try:
+            k = operator.index(asked)  # an int (or a NumPy one): a float or None is a bug, not a draft count
+        except TypeError:
+            k = -1
+        if k < 0:
+            raise RuntimeError(f"{type(self._speculation).__name__}.num_draft_tokens returned {asked!r}; allowed: "
+                               "an integer >= 0")
         # a draft past the last output is never used; nor may a position pass max_model_len (the state's
         # tokens + 1 decode + k drafts, minus the last output, which is never fed back)
         left = min(state.request.max_new_tokens - len(state.output_token_ids),
                    self.limits.max_model_len - state.num_tokens) - 1
-        return max(0, min(int(k), left))
+        return max(0, min(k, left))
 
 
 class Replica:
@@ -222,12 +230,12 @@ class Replica:
         view = self._view  # one object reused every step (cheaper than building one per step)
         view.now, view.preempted, view.blocked = now, [], None
         hidden = self._hide_for_async() if self._async else None
-        batch = self.scheduler.schedule(view)
+        batch = self._schedule_once(view)
         if hidden:
             self.waiting.extend(hidden)
             if batch.empty and not view.preempted:  # nothing in flight to wait behind: vLLM schedules them now
                 view.preempted, view.blocked = [], None
-                batch = self.scheduler.schedule(view)
+                batch = self._schedule_once(view)
         if self._async:
             self._prev_start = now if not batch.empty else math.inf
             for state in batch.chunks:
@@ -342,6 +350,19 @@ class Replica:
                 queue.remove(state)
                 self._end(state, Status.TIMED_OUT, now, f"not finished {self.limits.request_timeout_s}s after arrival")
 
+    def _schedule_once(self, view: ReplicaSchedulerView) -> Batch:
+        """The scheduler's batch: an error it raises names it (a note), and what it returns must be a Batch (a list
+        or None would fail later, far from its cause)."""
+        try:
+            batch = self.scheduler.schedule(view)
+        except Exception as e:
+            e.add_note(f"raised by scheduler {type(self.scheduler).__name__}.schedule on replica {self.index}")
+            raise
+        if not isinstance(batch, Batch):
+            raise RuntimeError(f"{type(self.scheduler).__name__}.schedule returned {type(batch).__name__}, "
+                               "not a core.batch.Batch")
+        return batch
+
     def _validate(self, batch: Batch) -> None:
         """Reject a plugin's batch that breaks a budget or runs a request without room for its tokens."""
         f = batch.features
@@ -355,9 +376,15 @@ class Replica:
         held, bs, running = self.kv.num_blocks_held, self.kv.block_size, Status.RUNNING
         for ch in batch.chunks:
             state = ch.state
-            if state.status is not running or state.id in seen:
-                raise RuntimeError(f"{name}: request {state.id} is {state.status.name} or scheduled twice")
+            if state.id in seen:
+                raise RuntimeError(f"{name}: request {state.id} scheduled twice in one batch")
+            if state.status is not running:
+                raise RuntimeError(f"{name}: request {state.id} scheduled while {state.status.name}, not RUNNING")
             seen.add(state.id)
+            total = state.request.prompt_len + len(state.output_token_ids)
+            if not 0 < ch.num_tokens <= total - ch.start:
+                raise RuntimeError(f"{name}: request {state.id} scheduled {ch.num_tokens} tokens from token "
+                                   f"{ch.start}; it has {total - ch.start} left to compute (Chunk.next builds one)")
             if held(state.id) * bs < ch.end + ch.num_draft_tokens:
                 raise RuntimeError(f"{name}: request {state.id} scheduled to token {ch.end + ch.num_draft_tokens} "
                                    "without KV blocks")

@@ -61,6 +61,10 @@ def one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
+class JobFailed(Exception):
+    """A multirun job's user error, re-raised as one line for Hydra's report at the end of the sweep."""
+
+
 def user_errors(task: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a task function: a user error becomes one line on stderr and exit code 2 (see the module)."""
 
@@ -71,10 +75,34 @@ def user_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         except USER_ERRORS as e:
             if full_error():
                 raise
+            if multirun_job_failed(e):  # the launcher records the job as failed and runs the others
+                raise JobFailed(one_line(e)) from None
             print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_USER_ERROR) from None
 
     return wrapper
+
+
+def multirun_job_failed(error: BaseException) -> bool:
+    """In a job of a Hydra multirun: log ``error`` as one line (console and the job's run.log) and leave a
+    metrics.json with ``run_status: failed`` and the error in the job's directory unless the run wrote one, so the
+    sweep report names the job and why; True. A ``SystemExit`` there would end the whole sweep and lose the other
+    jobs. False outside a multirun."""
+    import json
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return False
+    hc = HydraConfig.get()
+    message = one_line(error)
+    logging.getLogger(__name__).error(f"job {hc.job.num} failed ({' '.join(hc.overrides.task)}): {message}")
+    metrics = Path(hc.runtime.output_dir) / "metrics.json"
+    if not metrics.is_file():
+        metrics.write_text(json.dumps({"run_status": "failed", "error": message}, sort_keys=True) + "\n")
+    return True
 
 
 def checkpoint_paths_to_overrides(argv: list[str]) -> list[str]:

@@ -73,6 +73,8 @@ class SweepProgress(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         state = Path(config.hydra.sweep.dir) / STATE_DIR
         state.mkdir(parents=True, exist_ok=True)
+        for stale in state.glob("job*.done"):  # a sweep run before into the same directory: not this one's jobs
+            stale.unlink()
         total = count_jobs(config)
         (state / "sweep.json").write_text(json.dumps({"total": total, "start": time.time()}))
         log.info(eta_line("multirun", 0, total, 0.0) + (f" ({total} jobs)" if total else ""))

@@ -53,7 +53,8 @@ def run(cfg: DictConfig | RunConfig, out_dir: str | Path, make_executors: MakeEx
     except BaseException as e:
         partial = loop.result(time.perf_counter() - t0)
         ended = [st for st in partial.states if st.status.terminal]
-        note = {"error": f"{type(e).__name__}: {e}",  # num_unfinished: arrived but not ended
+        notes = "".join(f" ({n})" for n in getattr(e, "__notes__", ()))  # e.g. which plugin raised it
+        note = {"error": f"{type(e).__name__}: {e}{notes}",  # num_unfinished: arrived but not ended
                 "num_unfinished": len(partial.states) - len(ended)}
         with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
             write_run_dir(rc, RunResult(ended, partial.steps, partial.end_s, partial.wall_s,
@@ -240,8 +241,11 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.get("gpus") is not None:  # a deployment search trial (conf/sweep/deployment.yaml)
         cfg = fill_replicas(cfg)
         skipped = off_budget(cfg)
-        if skipped:
+        if skipped:  # its directory says why, so a report does not take it for a job that died
             log.info(f"deployment search: {skipped}; objective 0")
+            (Path(out_dir) / "metrics.json").write_text(json.dumps(
+                {"run_status": "failed", "error": f"deployment search trial not run ({skipped}); objective 0"},
+                sort_keys=True) + "\n")
             return 0.0
     metrics = run(cfg, out_dir)
     keys = ("backend", "num_requests", "num_completed", "num_rejected", "num_timed_out", "goodput_rps",

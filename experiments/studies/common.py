@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,21 +37,25 @@ log = logging.getLogger(__name__)
 SCALES = ("full", "tiny")
 
 
-def with_section(cfg: DictConfig, section: Any) -> DictConfig:
+def with_section(cfg: DictConfig, section: Any, given: Collection[str] = ()) -> DictConfig:
     """``cfg`` with a scale section applied: its ``overrides`` (config overrides, ``group=option`` or ``a.b=v``)
-    and its other keys replacing those of ``study`` (e.g. a shorter sweep)."""
+    and its other keys replacing those of ``study`` (e.g. a shorter sweep). Keys in ``given`` (set on the command
+    line: ``workload.duration_s``, ``study.budgets``) keep their value."""
     sec = OmegaConf.to_container(section, resolve=False) if OmegaConf.is_config(section) else dict(section or {})
-    out = apply_overrides(cfg, sec.pop("overrides", None) or [])
+    overrides = [o for o in sec.pop("overrides", None) or [] if str(o).partition("=")[0].lstrip("+") not in given]
+    out = apply_overrides(cfg, overrides)
     for k, v in sec.items():
-        out.study[k] = v
+        if f"study.{k}" not in given:
+            out.study[k] = v
     return out
 
 
-def scaled(cfg: DictConfig) -> DictConfig:
-    """``cfg`` at ``study.scale``: ``full`` as configured, ``tiny`` with the ``study.tiny`` section applied."""
+def scaled(cfg: DictConfig, given: Collection[str] = ()) -> DictConfig:
+    """``cfg`` at ``study.scale``: ``full`` as configured, ``tiny`` with the ``study.tiny`` section applied except
+    for the keys in ``given`` (those the command line set: a user's ``study.budgets=[512]`` is not replaced)."""
     scale = cfg.study.get("scale", "full")
     check_choice(scale, "study.scale", SCALES)
-    return with_section(cfg, cfg.study.get("tiny")) if scale == "tiny" else cfg
+    return with_section(cfg, cfg.study.get("tiny"), given) if scale == "tiny" else cfg
 
 
 def option_name(cfg: DictConfig, group: str) -> str:

@@ -38,7 +38,9 @@ def run_study(cfg: DictConfig, out_dir: str | Path) -> Path:
         raise ValueError(f"study=NAME is required; allowed: {studies()}")
     name = node.get("name")
     check_choice(name, "study.name", studies())
-    cfg = scaled(cfg)
+    given = {o.partition("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task} \
+        if HydraConfig.initialized() else set()
+    cfg = scaled(cfg, given)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out)

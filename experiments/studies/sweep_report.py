@@ -74,7 +74,8 @@ def _collect(root: Path, incomplete: list[str] | None) -> list[tuple[str, dict[s
         metrics = read_metrics(metrics_file)
         status = metrics.get("run_status", "complete")  # run directories written before run_status: complete
         if status != "complete":
-            skipped.append(f"{name} (run_status {status})")
+            error = f": {metrics['error']}" if metrics.get("error") else ""
+            skipped.append(f"{name} (run_status {status}{error})")
             continue
         overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
         jobs.append((name, dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o), metrics))
@@ -84,6 +85,24 @@ def _collect(root: Path, incomplete: list[str] | None) -> list[tuple[str, dict[s
         raise ValueError(f"{root}: no job directories with a complete metrics.json (is it a multirun directory?)"
                          + (f"; incomplete jobs: {', '.join(skipped)}" if skipped else ""))
     return jobs
+
+
+def _config_value(job: Path, key: str) -> str | None:
+    """``key``'s value in a job that does not override it: the group option Hydra chose (.hydra/hydra.yaml's
+    runtime choices, e.g. ``scheduler``), else the key in the job's composed .hydra/config.yaml; None if neither."""
+    hydra_file, config_file = job / ".hydra" / "hydra.yaml", job / ".hydra" / "config.yaml"
+    if hydra_file.is_file():
+        choices = (yaml.safe_load(hydra_file.read_text()) or {}).get("hydra", {}).get("runtime", {}).get("choices")
+        if isinstance(choices, dict) and isinstance(choices.get(key), str):
+            return choices[key]
+    if config_file.is_file():
+        node = yaml.safe_load(config_file.read_text())
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return None if node is None or isinstance(node, dict | list) else str(node)
+    return None
 
 
 def value(metrics: dict, key: str, pct: str | None) -> float:
@@ -134,6 +153,8 @@ def _order(column: pd.Series) -> pd.Series:
 def report(root: str | Path, x: str = "scheduler.max_num_batched_tokens", series: str = "scheduler",
            where: dict[str, str] | None = None, repeat: str = "seed") -> Path:
     root = Path(root)
+    if x == series:
+        raise ValueError(f"--x and --series both name {x}: the series must be another swept key")
     incomplete: list[str] = []
     df, keys = table(root, incomplete)
     for k, v in (where or {}).items():
@@ -142,7 +163,11 @@ def report(root: str | Path, x: str = "scheduler.max_num_batched_tokens", series
         df = df[df[k] == str(v)]
         if df.empty:
             raise ValueError(f"--where {k}={v}: no job has that value")
-    missing = [k for k in (x, series) if k not in df.columns or df[k].isna().any()]
+    for k in (x, series):  # a key no override sets in a job (a preset sweeping only rates) is its config value
+        given = df[k] if k in df.columns else pd.Series([None] * len(df), index=df.index, dtype=object)
+        df = df.assign(**{k: [v if isinstance(v, str) else _config_value(root / job, k)
+                              for v, job in zip(given, df["job"], strict=True)]})
+    missing = [k for k in (x, series) if df[k].isna().any()]
     if missing:
         raise ValueError(f"not swept in every job: {missing}; swept keys: {swept_keys(df, keys)}")
     xv = pd.to_numeric(df[x], errors="coerce")

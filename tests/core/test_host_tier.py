@@ -234,3 +234,24 @@ def test_invariants_under_random_load(spec, scheduler, mode, num_blocks, host_bl
     assert st_.swap_out_blocks == sum(c.kind == "swap_out" for c in ex.copies)
     assert st_.swap_in_blocks == sum(c.kind == "swap_in" for c in ex.copies)
     assert st_.spill_blocks == sum(c.kind == "spill" for c in ex.copies) and (spill or not st_.spill_blocks)
+
+
+class _WrongVictim(LRUEviction):
+    def victim(self):
+        super().victim()
+        return 7
+
+
+def test_a_host_eviction_victim_that_is_no_spilled_block_is_refused_naming_the_policy():
+    from core.interfaces import Block
+
+    host = HostTier(1, 4, _WrongVictim())
+    for bid, h in ((0, 101), (1, 102)):
+        blk = Block(bid, size=4)
+        blk.hash = h
+        if h == 101:
+            host.spill(blk, bid, 0.0)
+        else:
+            with pytest.raises(RuntimeError, match=r"host eviction _WrongVictim\.victim\(\) returned 7, not the id "
+                                                   "of an evictable spilled block"):
+                host.spill(blk, bid, 1.0)

@@ -67,6 +67,30 @@ def test_evicted_blocks_are_reused_lru_first():
     kv.check_invariants()
 
 
+class _Victim(LRUEviction):
+    """Gives up ``choice`` (or what it returns for the real victim) instead of the real victim."""
+
+    def __init__(self, choice) -> None:
+        super().__init__()
+        self.choice = choice
+
+    def victim(self):
+        return self.choice(super().victim())
+
+
+@pytest.mark.parametrize(("choice", "shown"), [(lambda bid: None, "None"), (lambda bid: 10**6, "1000000"),
+                                               (lambda bid: -1, "-1"), (lambda bid: float(bid), ".0")])
+def test_an_eviction_victim_that_is_no_evictable_block_is_refused_naming_the_policy(choice, shown):
+    policy = _Victim(lambda bid: bid)
+    kv = KVCacheManager(4, 4, policy)
+    run_to_completion(kv, state_of(Request("old", 0, 9, 1, prompt_token_ids=tuple(range(9))), 4), now=1.0)
+    run_to_completion(kv, state_of(Request("new", 0, 9, 1, prompt_token_ids=tuple(range(100, 109))), 4), now=2.0)
+    policy.choice = choice
+    with pytest.raises(RuntimeError, match=rf"eviction _Victim\.victim\(\) returned \S*{shown}\S*, not the id of an "
+                                           "evictable cached block"):
+        kv.admit(state_of(Request("x", 0, 5, 1), 4), 5, 3.0)
+
+
 # ---- vllm mode: vLLM v1's block pool ------------------------------------------------------------------------
 def test_vllm_mode_publishes_blocks_when_scheduled():
     ids = tuple(range(8))

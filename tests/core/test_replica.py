@@ -112,3 +112,106 @@ def test_a_rejection_never_ends_before_its_arrival():
     assert state.status is Status.REJECTED and "idle replica" in state.reason
     assert state.finish_s == arrival > early
     rep.kv.check_invariants()
+
+
+class _FixedRouter:
+    def __init__(self, choice):
+        self.choice = choice
+
+    def route(self, request, replicas):
+        return self.choice
+
+
+@pytest.mark.parametrize(("choice", "message"), [
+    (2, "router _FixedRouter returned replica 2 of 2"),
+    (-1, "router _FixedRouter returned replica -1 of 2"),
+    (0.0, r"router _FixedRouter returned 0\.0 \(float\); it must return the index of a replica, an int in 0\.\.1"),
+    (None, r"router _FixedRouter returned None \(NoneType\)"),
+])
+def test_a_router_choice_that_is_not_a_replica_index_is_refused_naming_the_router(choice, message):
+    with pytest.raises(RuntimeError, match=message):
+        run_requests([Request("A", 0.0, 4, 2)], SarathiScheduler, replicas=2, router=_FixedRouter(choice),
+                     max_num_batched_tokens=64, max_num_seqs=8)
+
+
+def test_a_numpy_integer_is_a_replica_index():
+    import numpy as np
+
+    res, reps = run_requests([Request("A", 0.0, 4, 2)], SarathiScheduler, replicas=2,
+                             router=_FixedRouter(np.int64(1)), max_num_batched_tokens=64, max_num_seqs=8)
+    assert res.states[0].status is Status.FINISHED and res.states[0].replica == 1
+
+
+class _Twice(SarathiScheduler):
+    def schedule(self, view):
+        batch = super().schedule(view)
+        batch.chunks.append(batch.chunks[0])
+        return batch
+
+
+class _Finished(SarathiScheduler):
+    """Schedules the first request it ever ran again once it has finished."""
+
+    first = None
+
+    def schedule(self, view):
+        batch = super().schedule(view)
+        if self.first is None and batch.chunks:
+            self.first = batch.chunks[0].state
+        elif self.first is not None and self.first.status.terminal:
+            from core.batch import Chunk
+
+            batch.chunks.append(Chunk(self.first, self.first.num_computed_tokens, 1, True, True))
+        return batch
+
+
+@pytest.mark.parametrize(("scheduler", "message"), [
+    (_Twice, "_Twice: request A scheduled twice in one batch"),
+    (_Finished, "_Finished: request A scheduled while FINISHED, not RUNNING"),
+])
+def test_a_batch_with_a_request_twice_or_a_finished_one_says_which(scheduler, message):
+    reqs = [Request("A", 0.0, 4, 2), Request("B", 0.0, 4, 8)]
+    with pytest.raises(RuntimeError, match=message):
+        run_requests(reqs, scheduler, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+class _TooLong(SarathiScheduler):
+    """Turns a decode into a 3-token chunk."""
+
+    def schedule(self, view):
+        from core.batch import Chunk
+
+        batch = super().schedule(view)
+        batch.chunks[:] = [Chunk(c.state, c.start, 3, True, False) if c.is_decode else c for c in batch.chunks]
+        return batch
+
+
+class _ReturnsList(SarathiScheduler):
+    def schedule(self, view):
+        return super().schedule(view).chunks
+
+
+@pytest.mark.parametrize(("scheduler", "message"), [
+    (_TooLong, r"_TooLong: request A scheduled 3 tokens from token 4; it has 1 left to compute"),
+    (_ReturnsList, r"_ReturnsList\.schedule returned list, not a core\.batch\.Batch"),
+])
+def test_a_chunk_past_the_sequence_or_a_non_batch_is_refused_naming_the_scheduler(scheduler, message):
+    with pytest.raises(RuntimeError, match=message):
+        run_requests([Request("A", 0.0, 4, 4)], scheduler, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+class _DropsWaiting(SarathiScheduler):
+    """Takes the newest waiting request out of the queue itself, without admitting or rejecting it."""
+
+    def schedule(self, view):
+        if len(view.waiting) > 1:
+            view.waiting.pop()
+        return super().schedule(view)
+
+
+def test_a_request_a_scheduler_drops_from_its_queue_fails_the_run_instead_of_vanishing():
+    """It used to end as a complete run with the request neither finished, rejected nor timed out."""
+    reqs = [Request("A", 0.0, 4, 4), Request("B", 0.0, 4, 4), Request("C", 0.5, 4, 4)]
+    with pytest.raises(RuntimeError, match=r"1 requests in no replica's queue, e\.g\. \['B \(WAITING\)'\]: "
+                                           r"scheduler _DropsWaiting removed them"):
+        run_requests(reqs, _DropsWaiting, max_num_batched_tokens=64, max_num_seqs=8)

@@ -59,3 +59,14 @@ def test_a_multirun_logs_done_over_total_after_every_job(tmp_path):
     assert json.loads((tmp_path / ".progress" / "sweep.json").read_text())["total"] == 4
     assert sorted(p.name for p in (tmp_path / ".progress").glob("job*.done")) == [f"job{i}.done" for i in range(4)]
     assert "multirun: 4/4 done" in (tmp_path / "3" / "run.log").read_text()  # logged to the job's run.log too
+
+
+def test_a_sweep_into_a_used_directory_counts_only_its_own_jobs(tmp_path):
+    """The marks of an earlier sweep into the same directory used to count: "2/2 done" after its first job."""
+    cmd = [sys.executable, "-m", "experiments.run", "-m", "seed=0,1", "workload.num_requests=5", "output.plots=false",
+           f"hydra.sweep.dir={tmp_path}"]
+    for _ in range(2):
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("multirun:")]
+    assert [ln.split(" done")[0] for ln in lines] == ["multirun: 1/2", "multirun: 2/2"]

@@ -222,3 +222,27 @@ def test_memory_estimate_counts_blocks_replicas_and_engine_tensors():
     engine = parsed(cfg_with(*SMALL, "backend=engine", "model=tiny"), num_kv_blocks=10_000)
     with pytest.raises(ValueError, match="host memory"):  # the KV tensors count for the CPU engine
         check_memory(engine, available=10_000 * per_block + 10**6)
+
+
+class RaisingScheduler:
+    """Raises on its third step (a user plugin with a bug)."""
+
+    def __init__(self) -> None:
+        from policies.schedulers.sarathi import SarathiScheduler
+
+        self.inner, self.steps = SarathiScheduler(), 0
+
+    def schedule(self, view):
+        self.steps += 1
+        if self.steps == 3:
+            raise ZeroDivisionError("my bug")
+        return self.inner.schedule(view)
+
+
+def test_an_error_a_scheduler_raises_names_it_in_metrics_json(tmp_path):
+    """The error used to be the plugin's message alone ("ZeroDivisionError: my bug")."""
+    with pytest.raises(ZeroDivisionError, match="my bug"):
+        run(cfg_with(*SMALL, f"scheduler._target_={__name__}.RaisingScheduler"), tmp_path)
+    m = read_metrics(tmp_path / "metrics.json")
+    assert m["run_status"] == "interrupted"
+    assert m["error"] == "ZeroDivisionError: my bug (raised by scheduler RaisingScheduler.schedule on replica 0)"

@@ -201,3 +201,30 @@ def test_policies_are_a_config_group_and_k_one_key(tmp_path):
     col = rows[0].split(",").index("num_draft_tokens")
     seqs = rows[0].split(",").index("num_decode_seqs")
     assert all(int(r.split(",")[col]) <= 2 * int(r.split(",")[seqs]) for r in rows[1:])
+
+
+class _Asks:
+    def __init__(self, k) -> None:
+        self.k = k
+
+    def num_draft_tokens(self, state, num_running):
+        return self.k
+
+
+@pytest.mark.parametrize("k", [-3, 2.5, None])
+def test_a_draft_count_that_is_not_a_non_negative_int_is_refused_naming_the_policy(k):
+    """-3 was clamped to 0 and 2.5 truncated to 2 without a word; None failed in int()."""
+    replica = Replica(0, SarathiScheduler(), KVCacheManager(32, 4, LRUEviction()), SchedulerLimits(48, 8, 4096),
+                      speculation=_Asks(k))
+    ex = CostModelExecutor(TokensCost(), speculation=SpeculativeModel(0.7, seed=0))
+    loop = ServingLoop([replica], [ex], RoundRobinRouter(), ListWorkload([Request("r0", 0.0, 4, 6)]))
+    with pytest.raises(RuntimeError, match=rf"_Asks\.num_draft_tokens returned {k!r}; allowed: an integer >= 0"):
+        run_virtual(loop)
+
+
+def test_a_numpy_draft_count_is_taken():
+    replica = Replica(0, SarathiScheduler(), KVCacheManager(32, 4, LRUEviction()), SchedulerLimits(48, 8, 4096),
+                      speculation=_Asks(np.int64(2)))
+    ex = CostModelExecutor(TokensCost(), speculation=SpeculativeModel(1.0, seed=0))
+    result = run_virtual(ServingLoop([replica], [ex], RoundRobinRouter(), ListWorkload([Request("r0", 0.0, 4, 7)])))
+    assert result.states[0].status is Status.FINISHED and result.states[0].num_draft_proposed > 0

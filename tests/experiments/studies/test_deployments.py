@@ -48,3 +48,21 @@ def test_search_trials_fill_replicas_and_skip_off_budget():
     assert "replicas=0" in off_budget(fill_replicas(compose_cfg([*base, "parallel.tp=8", "parallel.pp=2"])))
     assert "parallel.tp=3" in off_budget(fill_replicas(compose_cfg([*base[:-1], "replicas=1", "parallel.tp=3"])))
     assert "not gpus=8" in off_budget(compose_cfg([*base[:-1], "replicas=1", "parallel.tp=4"]))
+
+
+def test_an_off_budget_trial_says_why_in_its_directory(tmp_path):
+    """Its job directory used to hold only run.log: sweep_report listed it as "no metrics.json", like a job that
+    died."""
+    import json
+    import subprocess
+    import sys
+
+    from experiments.build import CONF_DIR
+
+    cmd = [sys.executable, "-m", "experiments.run", "model=llama3_8b", "hardware=h100", "cost_model=roofline",
+           "+gpus=8", "replicas=auto", "parallel.tp=8", "parallel.pp=2", f"hydra.run.dir={tmp_path}"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=CONF_DIR.parent, timeout=120)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["run_status"] == "failed"
+    assert metrics["error"].startswith("deployment search trial not run (replicas=0")
+    assert metrics["error"].endswith("objective 0")

@@ -242,3 +242,21 @@ def test_study_with_two_seeds_reports_mean_and_interval(tmp_path):
     text = (out / "summary.md").read_text()
     assert f"{mean * 1e3:.4g} [{lo * 1e3:.4g}, {hi * 1e3:.4g}]" in text  # p99 ITL (ms) cell
     assert "Mean over 2 seeds" in text and "study.seeds=[0,1]" in text
+
+
+def test_command_line_keys_win_over_the_tiny_section(tmp_path):
+    """`study.scale=tiny study.budgets=[512]` used to run the tiny section's budgets [256, 16384] instead."""
+    import subprocess
+    import sys
+
+    from experiments.studies.common import scaled
+
+    cfg = study_cfg("chunk_tradeoff", "study.scale=tiny", "study.budgets=[512]", "workload.parts.docs.duration_s=2")
+    out = scaled(cfg, {"study.budgets", "workload.parts.docs.duration_s"})
+    assert list(out.study.budgets) == [512] and out.workload.parts.docs.duration_s == 2
+    assert out.workload.parts.chat.duration_s == 3  # the tiny section's, not given
+    assert list(scaled(cfg).study.budgets) == [256, 16384]
+    cmd = [sys.executable, "-m", "experiments.study", "study=chunk_tradeoff", "study.scale=tiny",
+           "study.budgets=[512]", f"hydra.run.dir={tmp_path}"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=CONF_DIR.parent, timeout=300)
+    assert sorted(p.name for p in (tmp_path / "sim").iterdir()) == ["budget=512"]

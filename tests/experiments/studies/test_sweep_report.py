@@ -182,3 +182,46 @@ def test_a_seed_given_twice_is_still_refused_and_one_seed_has_no_interval(tmp_pa
     # --repeat names another key: seed is then an ordinary facet again
     report(tmp_path, repeat="replicas")
     assert (tmp_path / "sweep_report.md").read_text().startswith("| seed | scheduler |")
+
+
+def test_a_failing_job_fails_the_sweep_after_the_others_ran_and_is_named(tmp_path):
+    """A job's config error used to exit the process: the jobs after it never ran and its directory held nothing.
+    Now every job runs, the failed one leaves metrics.json (run_status failed, the error), the sweep exits non-zero
+    and the report names the job and its error."""
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "experiments.run", "-m", f"hydra.sweep.dir={sweep}", "workload.num_requests=6",
+           "output.plots=false", "output.progress=false", "scheduler=sarathi,orca",
+           "scheduler.max_num_batched_tokens=0,256"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=CONF_DIR.parent, timeout=300)
+    assert r.returncode != 0
+    failed = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("job 0 failed (")]
+    assert failed and "scheduler=sarathi" in failed[0] and "allowed: an integer >= 1" in failed[0]
+    for job in (0, 2):
+        m = read_metrics(sweep / str(job) / "metrics.json")
+        assert m["run_status"] == "failed" and "scheduler.max_num_batched_tokens=0" in m["error"]
+    for job in (1, 3):
+        assert read_metrics(sweep / str(job) / "metrics.json")["run_status"] == "complete"
+    report(sweep)
+    md = (sweep / "sweep_report.md").read_text()
+    assert md.count("| 256 |") == 2
+    assert "job 0 (run_status failed: scheduler.max_num_batched_tokens=0; allowed" in md and ", 2 (" in md
+
+
+def test_x_and_series_must_differ(tmp_path):
+    with pytest.raises(ValueError, match="--x and --series both name seed"):
+        report(tmp_path, x="seed", series="seed")
+
+
+def test_x_or_series_that_no_job_overrides_is_read_from_each_job_config(tmp_path):
+    """`+sweep=rates` sweeps only the rate: `--x workload.arrival.rate_rps` used to fail with "not swept in every
+    job: ['scheduler']"; the series is now each job's scheduler option (and a plain key its config value)."""
+    _multirun(tmp_path, "workload.arrival.rate_rps=1,4")
+    report(tmp_path, x="workload.arrival.rate_rps")
+    md = (tmp_path / "sweep_report.md").read_text().splitlines()
+    assert md[0].startswith("| scheduler | workload.arrival.rate_rps |")
+    assert [r.split(" | ")[:2] for r in md[2:]] == [["| sarathi", "1"], ["| sarathi", "4"]]
+    report(tmp_path, x="workload.arrival.rate_rps", series="kv.block_size")
+    assert (tmp_path / "sweep_report.md").read_text().splitlines()[2].startswith("| 16 | 1 |")
