@@ -307,15 +307,16 @@ def kv_bytes_per_token_per_device(m: ModelSpec, kv_bits: int = 16, tp: int = 1) 
     return kv_bytes_per_token(m, kv_bits) * kv_heads_per_device(m, tp) / m.num_kv_heads
 
 
-def max_concurrent_seqs(m: ModelSpec, kv_budget_bytes: float, context: int, kv_bits: int = 16, tp: int = 1) -> int:
-    """Sequences of ``context`` tokens whose KV (int8 scales included) fits in ``kv_budget_bytes`` per device
-    (0 if the budget is < 0).
+def max_concurrent_seqs(m: ModelSpec, kv_budget_bytes: float, context: int, kv_bits: int = 16, tp: int = 1,
+                        layers: range | None = None) -> int:
+    """Sequences of ``context`` tokens whose KV (int8 scales included) of ``layers`` (a pipeline stage's; default
+    all) fits in ``kv_budget_bytes`` per device (0 if the budget is < 0).
 
     Ignores activation workspace and paged-block rounding: an upper bound on what an engine admits.
     """
     if context < 1:
         raise ValueError(f"context={context}; allowed: an integer >= 1")
-    return max(0, math.floor(kv_budget_bytes / (context * kv_bytes_per_token_per_device(m, kv_bits, tp))))
+    return max(0, math.floor(kv_budget_bytes / (context * kv_bytes_per_token_of_stage(m, kv_bits, tp, layers))))
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------------

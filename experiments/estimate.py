@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,8 +113,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, weight_bits: int = 16,
     budget = min(st["kv_budget_bytes"] for st in split["stages"])
 
     def seqs_of(bits: int) -> int:
-        return min(max(0, math.floor(st["kv_budget_bytes"] / (context * ar.kv_bytes_per_token_of_stage(
-            m, bits, tp, range(*st["layers"]))))) for st in split["stages"])
+        return min(ar.max_concurrent_seqs(m, st["kv_budget_bytes"], context, bits, tp, range(*st["layers"]))
+                   for st in split["stages"])
 
     seqs = seqs_of(kv_bits)
     memory: dict[str, Any] = {"memory_fraction": memory_fraction, "context": context, "kv_budget_bytes": budget,

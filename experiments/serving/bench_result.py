@@ -128,17 +128,22 @@ def _error_reason(err: str) -> str:
     return (lines[-1] if lines else str(err))[:300]
 
 
-def _load_bench_serve(path: str | Path) -> dict[str, Any]:
-    """A bench serve result file, refused naming the file when it is not JSON, not an object, or not detailed."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a vLLM bench serve result ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a vLLM bench serve result (a JSON {type(data).__name__}, not an object)")
+def _load_bench_serve(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A bench serve result (a file, or one already loaded), refused naming the file when it is not JSON, not an
+    object, or not detailed."""
+    if isinstance(source, Mapping):
+        data, name = source, "bench serve result"
+    else:
+        name = str(source)
+        try:
+            data = json.loads(Path(source).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: not a vLLM bench serve result ({type(e).__name__}: {e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{name}: not a vLLM bench serve result (a JSON {type(data).__name__}, not an object)")
     missing = [k for k in DETAIL_KEYS if k not in data]
     if missing:
-        raise ValueError(f"{path}: no {missing}; save the vLLM result with --save-result --save-detailed")
+        raise ValueError(f"{name}: no {missing}; save the vLLM result with --save-result --save-detailed")
     return data
 
 
@@ -152,11 +157,7 @@ def read_bench_serve(source: str | Path | Mapping[str, Any]) -> list[RequestStat
     ``output_lens`` tokens spread over the chunks by ``apportion`` (vLLM does not record tokens per chunk), finish at
     start + ``latencies[i]`` (else the last chunk). Any other request is TIMED_OUT when its error names a timeout,
     else REJECTED, with the error's last line as reason and no tokens (vLLM keeps none for failures)."""
-    data = _load_bench_serve(source) if not isinstance(source, Mapping) else source
-    missing = [k for k in DETAIL_KEYS if k not in data]
-    if missing:
-        raise ValueError(f"{source if not isinstance(source, Mapping) else 'bench serve result'}: no {missing}; "
-                         "save the vLLM result with --save-result --save-detailed")
+    data = _load_bench_serve(source)
     n = len(data["input_lens"])
     for k in (*DETAIL_KEYS, "start_times", "latencies"):
         if data.get(k) is not None and len(data[k]) != n:
